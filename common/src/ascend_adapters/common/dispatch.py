@@ -1,0 +1,90 @@
+"""Kernel registry: each op has a portable torch implementation and,
+where one exists, an NPU implementation. Callers never import torch_npu.
+
+    from ascend_adapters.common import dispatch
+
+    @dispatch.portable("rms_norm")
+    def rms_norm_ref(x, w, eps): ...
+
+    @dispatch.npu("rms_norm")
+    def rms_norm_npu(x, w, eps):
+        import torch_npu
+        return torch_npu.npu_rms_norm(x, w, eps)[0]
+
+    y = dispatch.op("rms_norm")(x, w, eps)
+
+The implementation is resolved on first use of each op and cached; the NPU
+implementation is used only when ``platform.kernel_path()`` is NPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ascend_adapters.common.platform import KernelPath, kernel_path
+
+
+@dataclass
+class Op:
+    name: str
+    portable: Callable | None = None
+    npu: Callable | None = None
+    _resolved: Callable | None = field(default=None, repr=False)
+
+    def resolve(self, path: KernelPath | None = None) -> Callable:
+        path = path or kernel_path()
+        if path is KernelPath.NPU and self.npu is not None:
+            return self.npu
+        if self.portable is None:
+            raise LookupError(f"kernel op {self.name!r} has no portable implementation")
+        return self.portable
+
+    def __call__(self, *args, **kwargs):
+        if self._resolved is None:
+            self._resolved = self.resolve()
+        return self._resolved(*args, **kwargs)
+
+
+_OPS: dict[str, Op] = {}
+
+
+def _get(name: str) -> Op:
+    return _OPS.setdefault(name, Op(name))
+
+
+def _register(name: str, slot: str) -> Callable[[Callable], Callable]:
+    def deco(fn: Callable) -> Callable:
+        op = _get(name)
+        current = getattr(op, slot)
+        qual = f"{current.__module__}.{current.__qualname__}" if current else None
+        if qual is not None and qual != f"{fn.__module__}.{fn.__qualname__}":
+            raise ValueError(f"kernel op {name!r} already has a {slot} implementation ({qual})")
+        setattr(op, slot, fn)
+        op._resolved = None
+        return fn
+
+    return deco
+
+
+def portable(name: str) -> Callable[[Callable], Callable]:
+    """Register the portable torch implementation of op ``name``."""
+    return _register(name, "portable")
+
+
+def npu(name: str) -> Callable[[Callable], Callable]:
+    """Register the torch_npu implementation of op ``name``."""
+    return _register(name, "npu")
+
+
+def op(name: str) -> Op:
+    """The op ``name``; raises KeyError naming known ops if unknown."""
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown kernel op {name!r}; known: {sorted(_OPS)}") from None
+
+
+def registered_ops() -> dict[str, dict[str, bool]]:
+    """For `status`: which ops have which implementations."""
+    return {n: {"portable": o.portable is not None, "npu": o.npu is not None} for n, o in sorted(_OPS.items())}
