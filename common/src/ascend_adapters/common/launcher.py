@@ -1,4 +1,4 @@
-"""Run vLLM's own CLI (``python -m ascend_adapters.common.testing.vllm_cli serve DIR ...``).
+"""Run vLLM's own CLI (``python -m ascend_adapters.common.launcher serve DIR ...``).
 
 Real vLLM installs (``vllm`` on Ascend or CUDA) need none of this: use
 ``vllm serve``. The CPU wheel used for tests here is distributed as
