@@ -1,0 +1,85 @@
+"""A portable attention "backend" for the DSA latent cache.
+
+vLLM allocates one paged cache per layer from the layer's KV cache spec and
+hands every layer a metadata object per step. This backend's metadata is the
+plain per-request bookkeeping (query boundaries, context lengths, block table,
+slots) on the host; the attention itself is computed by the model layer with
+the portable kernels in ``kernels.py``. Nothing here needs a device kernel, so
+the same path runs on CPU and on an NPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+
+@dataclass
+class GlmDsaMetadata(AttentionMetadata):
+    num_reqs: int
+    num_actual_tokens: int
+    query_start_loc: list[int]  # host, num_reqs + 1
+    seq_lens: list[int]  # host, num_reqs
+    block_table: torch.Tensor  # [num_reqs, max_blocks] (device)
+    slot_mapping: torch.Tensor  # [num_actual_tokens] (device)
+
+
+class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
+    reorder_batch_threshold = None
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> GlmDsaMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        return GlmDsaMetadata(
+            num_reqs=n,
+            num_actual_tokens=m.num_actual_tokens,
+            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
+            seq_lens=m.seq_lens[:n].cpu().tolist(),
+            block_table=m.block_table_tensor[:n],
+            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+        )
+
+
+class GlmDsaImpl(AttentionImpl):
+    """Placeholder: the layer computes attention itself (portable kernels)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise NotImplementedError("GlmDsaImpl is not called; the DSA layer computes attention")
+
+
+class GlmDsaPortableBackend(AttentionBackend):
+    supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM's enum has no entry for out-of-tree backends; the name is only logged.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return GlmDsaImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return GlmDsaMetadataBuilder
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True

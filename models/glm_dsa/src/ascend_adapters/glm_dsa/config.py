@@ -1,0 +1,77 @@
+"""Serving policy for GLM-5.x DSA: which attention path a deployment gets.
+
+DSA attends, for every query, to the ``index_topk`` previous tokens chosen by
+the lightning indexer. While a context holds at most ``index_topk`` tokens the
+selection keeps every token, so dense causal attention is exact. Beyond that
+only a real sparse path is correct.
+
+Environment:
+
+* ``ASCEND_ADAPTERS_GLM_DSA_SPARSE``: ``auto`` (default) picks dense when
+  ``max_model_len <= index_topk`` and the portable sparse path otherwise;
+  ``0``/``off`` disables the sparse path (start-up then refuses any
+  ``max_model_len`` above ``index_topk``); ``force`` uses the sparse path even
+  for short contexts (benchmarks, tests).
+* ``ASCEND_ADAPTERS_GLM_DSA_DISABLE=1``: the plugin does not register its class
+  (vLLM's own ``GlmMoeDsaForCausalLM`` is used, e.g. on GPUs with sparse MLA).
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+
+SPARSE_ENV = "ASCEND_ADAPTERS_GLM_DSA_SPARSE"
+DISABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA_DISABLE"
+
+
+class AttentionMode(str, enum.Enum):
+    DENSE = "dense"
+    SPARSE = "sparse"
+
+
+class GlmDsaConfigError(ValueError):
+    """A checkpoint config or serving limit this adapter cannot serve."""
+
+
+def sparse_setting() -> str:
+    raw = os.environ.get(SPARSE_ENV, "auto").strip().lower()
+    if raw in {"", "auto", "1", "on", "true", "yes"}:
+        return "auto"
+    if raw in {"0", "off", "false", "no"}:
+        return "off"
+    if raw == "force":
+        return "force"
+    raise GlmDsaConfigError(f"{SPARSE_ENV}={raw!r}: expected auto, 0/off or force")
+
+
+def require_field(hf_config, name: str):
+    value = getattr(hf_config, name, None)
+    if value is None:
+        raise GlmDsaConfigError(
+            f"config.json of this GlmMoeDsaForCausalLM checkpoint has no {name!r}; "
+            f"it is required (DSA top-k selection size)"
+            if name == "index_topk"
+            else f"config.json of this GlmMoeDsaForCausalLM checkpoint has no {name!r}"
+        )
+    return value
+
+
+def choose_attention_mode(hf_config, max_model_len: int) -> AttentionMode:
+    """Dense when exact, sparse otherwise; fail closed when sparse is disabled."""
+    topk = int(require_field(hf_config, "index_topk"))
+    if topk <= 0:
+        raise GlmDsaConfigError(f"config.json index_topk={topk}: must be positive")
+    setting = sparse_setting()
+    if setting == "force":
+        return AttentionMode.SPARSE
+    if max_model_len <= topk:
+        return AttentionMode.DENSE
+    if setting == "off":
+        raise GlmDsaConfigError(
+            f"max_model_len={max_model_len} exceeds index_topk={topk} while the DSA sparse path is "
+            f"disabled ({SPARSE_ENV}=0): dense attention is exact only for contexts of at most "
+            f"index_topk tokens. Use --max-model-len {topk} (the largest allowed value) or enable "
+            f"the portable sparse path (unset {SPARSE_ENV})."
+        )
+    return AttentionMode.SPARSE

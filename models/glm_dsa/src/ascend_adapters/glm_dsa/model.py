@@ -1,0 +1,533 @@
+"""GLM-5.x DSA (``GlmMoeDsaForCausalLM``) for platforms without a native sparse-MLA path.
+
+Reads like vLLM's own model files: attention (MLA + lightning indexer), MLP and
+MoE, decoder layer, model, then the causal-LM wrapper with ``load_weights``.
+
+Attention: MLA projections as in the checkpoint; per token the layer caches one
+latent row ``[kv_c | k_pe | indexer_k]`` in its own paged cache (a vLLM
+attention-like layer with an ``MLAAttentionSpec``), then for every request
+expands the cached latents with ``kv_b_proj`` and attends either to all
+previous tokens (dense path: exact while every context is at most
+``index_topk``) or to the ``index_topk`` tokens chosen by the lightning indexer
+(portable sparse path). See ``config.py`` for how the path is chosen.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear, fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.rotary_embedding import get_rope
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
+
+from ascend_adapters.common import dispatch, remap
+from ascend_adapters.glm_dsa import kernels  # noqa: F401  (registers the kernel ops)
+from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
+from ascend_adapters.glm_dsa.config import AttentionMode, GlmDsaConfigError, choose_attention_mode, require_field
+from ascend_adapters.glm_dsa.remap import glm_dsa_rules
+
+logger = logging.getLogger("ascend_adapters")
+
+
+def _yarn_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or {})
+    if not params:
+        params = {"rope_type": "default", "rope_theta": getattr(config, "rope_theta", 10000.0)}
+    params.setdefault("rope_type", "default")
+    return params
+
+
+def _indexer_types(config) -> list[str]:
+    types = getattr(config, "indexer_types", None)
+    if types is None:
+        return ["full"] * config.num_hidden_layers
+    if len(types) < config.num_hidden_layers:
+        raise GlmDsaConfigError(
+            f"config.json indexer_types has {len(types)} entries for {config.num_hidden_layers} layers"
+        )
+    if types[0] != "full":
+        raise GlmDsaConfigError(
+            "config.json indexer_types[0] must be 'full' (a 'shared' layer reuses the previous one)"
+        )
+    return list(types)
+
+
+class GlmDsaRotary(nn.Module):
+    """cos/sin from vLLM's rope cache (default and YaRN), applied by the ``glm_dsa.rope`` op.
+
+    vLLM's CPU rotary custom op is wrong for 3-D multi-head inputs in eager
+    mode, so the rotation itself goes through the dispatch layer.
+    """
+
+    def __init__(self, config, rope_dim: int):
+        super().__init__()
+        self.rope_dim = rope_dim
+        self.rotary_emb = get_rope(
+            rope_dim,
+            max_position=config.max_position_embeddings,
+            is_neox_style=False,
+            rope_parameters=_rope_parameters(config),
+        )
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cache = self.rotary_emb.cos_sin_cache
+        cos_sin = cache.index_select(0, positions.to(torch.long).flatten())
+        return cos_sin.chunk(2, dim=-1)
+
+
+class GlmDsaIndexer(nn.Module):
+    """Lightning indexer projections: ``wq_b`` (from the q latent), ``wk`` + LayerNorm, head weights."""
+
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        self.n_heads = config.index_n_heads
+        self.head_dim = config.index_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.topk = int(config.index_topk)
+        self.wq_b = ReplicatedLinear(
+            config.q_lora_rank,
+            self.n_heads * self.head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wq_b",
+        )
+        self.wk = ReplicatedLinear(
+            config.hidden_size, self.head_dim, bias=False, quant_config=quant_config, prefix=f"{prefix}.wk"
+        )
+        self.k_norm = nn.LayerNorm(self.head_dim, eps=1e-6)
+        # kept in float32 like the reference (_keep_in_fp32_modules)
+        self.weights_proj = ReplicatedLinear(
+            config.hidden_size,
+            self.n_heads,
+            bias=False,
+            quant_config=None,
+            params_dtype=torch.float32,
+            prefix=f"{prefix}.weights_proj",
+        )
+        self.softmax_scale = self.head_dim**-0.5
+
+    def project(self, hidden_states, q_c, cos, sin):
+        t = hidden_states.shape[0]
+        rope = dispatch.op("glm_dsa.rope")
+        q = self.wq_b(q_c)[0].view(t, self.n_heads, self.head_dim)
+        k = self.wk(hidden_states)[0]
+        k = nn.functional.layer_norm(
+            k.float(), (self.head_dim,), self.k_norm.weight.float(), self.k_norm.bias.float(), self.k_norm.eps
+        ).to(k.dtype)
+        q = torch.cat([rope(q[..., : self.rope_dim], cos, sin), q[..., self.rope_dim :]], dim=-1)
+        k = torch.cat([rope(k[:, None, : self.rope_dim], cos, sin)[:, 0], k[:, self.rope_dim :]], dim=-1)
+        w = self.weights_proj(hidden_states.float())[0].float() * (self.n_heads**-0.5)
+        return q, k, w
+
+
+class GlmDsaAttention(nn.Module, AttentionLayerBase):
+    """MLA with DSA selection; owns its paged latent cache (see module doc)."""
+
+    def __init__(self, vllm_config: VllmConfig, config, layer_idx: int, mode: AttentionMode, prefix: str):
+        super().__init__()
+        quant_config = vllm_config.quant_config
+        cache_config = vllm_config.cache_config
+        tp = get_tensor_model_parallel_world_size()
+        if config.q_lora_rank is None:
+            raise GlmDsaConfigError("config.json q_lora_rank is null; GLM-5.x DSA checkpoints use a q LoRA rank")
+        self.layer_idx = layer_idx
+        self.mode = mode
+        self.num_heads = config.num_attention_heads // tp
+        self.nope = config.qk_nope_head_dim
+        self.rope_dim = config.qk_rope_head_dim
+        self.v_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_head_dim = self.nope + self.rope_dim
+        rope_params = _rope_parameters(config)
+        scale = self.qk_head_dim**-0.5
+        if rope_params.get("rope_type", "default") != "default" and rope_params.get("mscale_all_dim"):
+            m = _yarn_mscale(rope_params["factor"], rope_params["mscale_all_dim"])
+            scale = scale * m * m
+        self.scaling = scale
+
+        self.q_a_proj = ReplicatedLinear(
+            config.hidden_size,
+            config.q_lora_rank,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_a_proj",
+        )
+        self.q_a_layernorm = RMSNorm(config.q_lora_rank, eps=1e-6)
+        self.q_b_proj = ColumnParallelLinear(
+            config.q_lora_rank,
+            config.num_attention_heads * self.qk_head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_b_proj",
+        )
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            config.hidden_size,
+            self.kv_lora_rank + self.rope_dim,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.kv_a_proj_with_mqa",
+        )
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, eps=1e-6)
+        self.kv_b_proj = ColumnParallelLinear(
+            self.kv_lora_rank,
+            config.num_attention_heads * (self.nope + self.v_dim),
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.kv_b_proj",
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.v_dim,
+            config.hidden_size,
+            bias=config.attention_bias,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_proj",
+        )
+        self.rotary = GlmDsaRotary(config, self.rope_dim)
+
+        self.shared_topk = _indexer_types(config)[layer_idx] == "shared"
+        self.index_topk = int(config.index_topk)
+        self.indexer = None
+        if mode is AttentionMode.SPARSE and not self.shared_topk:
+            self.indexer = GlmDsaIndexer(config, quant_config, prefix=f"{prefix}.indexer")
+        # latent row: kv_c | k_pe | indexer key (sparse path only; same width for every layer)
+        self.index_dim = config.index_head_dim if mode is AttentionMode.SPARSE else 0
+        self.row_dim = self.kv_lora_rank + self.rope_dim + self.index_dim
+
+        # attention-like layer: vLLM gives it a paged cache and per-step metadata
+        self.layer_name = f"{prefix}.attn"
+        self.block_size = cache_config.block_size
+        self.cache_dtype = torch.get_default_dtype()
+        self.kv_cache = torch.tensor([])
+        ctx = get_current_vllm_config().compilation_config.static_forward_context
+        if self.layer_name in ctx:
+            raise ValueError(f"Duplicate layer name: {self.layer_name}")
+        ctx[self.layer_name] = self
+
+    # -- AttentionLayerBase -------------------------------------------------
+    def get_attn_backend(self):
+        return GlmDsaPortableBackend
+
+    def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
+        return MLAAttentionSpec(
+            block_size=vllm_config.cache_config.block_size,
+            num_kv_heads=1,
+            max_tp_shards=1,
+            head_size=self.row_dim,
+            dtype=self.cache_dtype,
+        )
+
+    def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
+        # [blocks, 1, block_size, C] -> [blocks, block_size, C]
+        self.kv_cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
+
+    # -- forward ------------------------------------------------------------
+    def forward(
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, prev_selection: list[torch.Tensor] | None
+    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        t = hidden_states.shape[0]
+        rope = dispatch.op("glm_dsa.rope")
+        cos, sin = self.rotary.cos_sin(positions)
+
+        q_c = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])
+        q = self.q_b_proj(q_c)[0].view(t, self.num_heads, self.qk_head_dim)
+        q = torch.cat([q[..., : self.nope], rope(q[..., self.nope :], cos, sin)], dim=-1)
+        latent = self.kv_a_proj_with_mqa(hidden_states)[0]
+        kv_c = self.kv_a_layernorm(latent[:, : self.kv_lora_rank].contiguous())
+        k_pe = rope(latent[:, None, self.kv_lora_rank :], cos, sin)[:, 0]
+        parts = [kv_c, k_pe]
+        q_idx = w_idx = None
+        if self.indexer is not None:
+            q_idx, k_idx, w_idx = self.indexer.project(hidden_states, q_c, cos, sin)
+            parts.append(k_idx)
+        elif self.index_dim:
+            parts.append(kv_c.new_zeros(t, self.index_dim))
+        rows = torch.cat(parts, dim=-1)
+
+        out = hidden_states.new_zeros(t, self.num_heads, self.v_dim)
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(self.layer_name)
+        if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run
+            return self.o_proj(out.view(t, -1))[0], prev_selection
+
+        dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
+        gather = dispatch.op("glm_dsa.cache_gather")
+        select = dispatch.op("glm_dsa.indexer_select")
+        attend = dispatch.op("glm_dsa.masked_attention")
+        selections: list[torch.Tensor] = []
+        for r in range(md.num_reqs):
+            qs, qe = md.query_start_loc[r], md.query_start_loc[r + 1]
+            length = md.seq_lens[r]
+            if qe <= qs:
+                selections.append(None)
+                continue
+            ctx = gather(self.kv_cache, md.block_table[r], length)
+            kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank])[0].view(length, self.num_heads, self.nope + self.v_dim)
+            k_pe_ctx = ctx[:, self.kv_lora_rank : self.kv_lora_rank + self.rope_dim]
+            k = torch.cat([kv[..., : self.nope], k_pe_ctx[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
+            v = kv[..., self.nope :]
+            q_pos = torch.arange(length - (qe - qs), length, device=ctx.device)
+            mask = torch.arange(length, device=ctx.device)[None, :] <= q_pos[:, None]
+            if self.mode is AttentionMode.SPARSE:
+                if self.indexer is not None:
+                    k_idx_ctx = ctx[:, self.kv_lora_rank + self.rope_dim :]
+                    mask = select(
+                        q_idx[qs:qe], w_idx[qs:qe], k_idx_ctx, mask, self.index_topk, self.indexer.softmax_scale
+                    )
+                else:
+                    if prev_selection is None or prev_selection[r] is None:
+                        raise RuntimeError(f"{self.layer_name}: a 'shared' DSA layer needs the previous layer's top-k")
+                    mask = prev_selection[r]
+            selections.append(mask)
+            out[qs:qe] = attend(q[qs:qe], k, v, mask, self.scaling)
+        return self.o_proj(out.view(t, -1))[0], selections
+
+
+class GlmDsaMLP(nn.Module):
+    def __init__(self, hidden_size, intermediate_size, quant_config, reduce_results=True, prefix=""):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
+        )
+        self.down_proj = RowParallelLinear(
+            intermediate_size,
+            hidden_size,
+            bias=False,
+            quant_config=quant_config,
+            reduce_results=reduce_results,
+            prefix=f"{prefix}.down_proj",
+        )
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x):
+        x, _ = self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))
+        return x
+
+
+class GlmDsaMoE(nn.Module):
+    """Sigmoid-scored, bias-corrected, group-limited top-k routing plus shared experts (vLLM FusedMoE)."""
+
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        if config.hidden_act != "silu":
+            raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
+        self.gate = GateLinear(
+            config.hidden_size,
+            config.n_routed_experts,
+            out_dtype=torch.float32,
+            force_fp32_compute=True,
+            prefix=f"{prefix}.gate",
+        )
+        self.gate.e_score_correction_bias = nn.Parameter(
+            torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False
+        )
+        self.shared_experts = None
+        if config.n_shared_experts:
+            self.shared_experts = GlmDsaMLP(
+                config.hidden_size,
+                config.moe_intermediate_size * config.n_shared_experts,
+                quant_config,
+                reduce_results=False,
+                prefix=f"{prefix}.shared_experts",
+            )
+        self.experts = FusedMoEFactory(
+            shared_experts=self.shared_experts,
+            gate=self.gate,
+            num_experts=config.n_routed_experts,
+            top_k=config.num_experts_per_tok,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.moe_intermediate_size,
+            renormalize=config.norm_topk_prob,
+            quant_config=quant_config,
+            use_grouped_topk=True,
+            num_expert_group=getattr(config, "n_group", 1) or 1,
+            topk_group=getattr(config, "topk_group", 1) or 1,
+            prefix=f"{prefix}.experts",
+            scoring_func="sigmoid",
+            routed_scaling_factor=config.routed_scaling_factor,
+            e_score_correction_bias=self.gate.e_score_correction_bias,
+            router_logits_dtype=torch.float32,
+        )
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+
+
+class GlmDsaDecoderLayer(nn.Module):
+    def __init__(self, vllm_config: VllmConfig, config, layer_idx: int, mode: AttentionMode, prefix: str):
+        super().__init__()
+        quant_config = vllm_config.quant_config
+        self.self_attn = GlmDsaAttention(vllm_config, config, layer_idx, mode, prefix=f"{prefix}.self_attn")
+        types = getattr(config, "mlp_layer_types", None)
+        sparse_mlp = types[layer_idx] == "sparse" if types else layer_idx >= config.first_k_dense_replace
+        if sparse_mlp:
+            self.mlp = GlmDsaMoE(config, quant_config, prefix=f"{prefix}.mlp")
+        else:
+            self.mlp = GlmDsaMLP(config.hidden_size, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, positions, hidden_states, residual, prev_selection):
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states, selection = self.self_attn(positions, hidden_states, prev_selection)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        hidden_states = self.mlp(hidden_states)
+        return hidden_states, residual, selection
+
+
+class GlmDsaModel(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        if get_pp_group().world_size > 1:
+            raise GlmDsaConfigError("pipeline parallelism is not supported by the GLM-DSA adapter")
+        self.config = config
+        self.mode = choose_attention_mode(config, vllm_config.model_config.max_model_len)
+        logger.info(
+            "GLM-DSA attention path: %s (max_model_len=%d, index_topk=%s)",
+            self.mode.value,
+            vllm_config.model_config.max_model_len,
+            config.index_topk,
+        )
+        for name in ("qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank"):
+            require_field(config, name)
+        if self.mode is AttentionMode.SPARSE:
+            for name in ("index_n_heads", "index_head_dim"):
+                require_field(config, name)
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            GlmDsaDecoderLayer(vllm_config, config, i, self.mode, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        residual = None
+        selection = None
+        for layer in self.layers:
+            hidden_states, residual, selection = layer(positions, hidden_states, residual, selection)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class GlmMoeDsaForCausalLM(nn.Module):
+    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32)."""
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_text_config
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model = GlmDsaModel(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=None, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.load_report: remap.RemapReport | None = None
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # -- weights ------------------------------------------------------------
+    def _remapper(self, params: dict) -> remap.Remapper:
+        config = self.config
+        types = _indexer_types(config)
+        dense = self.model.mode is AttentionMode.DENSE
+        unused = [i for i, t in enumerate(types[: config.num_hidden_layers]) if t == "shared"]
+        rules = glm_dsa_rules(
+            config.num_hidden_layers, int(getattr(config, "num_nextn_predict_layers", 0) or 0), unused, dense
+        )
+        return remap.Remapper(
+            rules, targets=lambda n: self._target_param(n, params) is not None, source="GLM-DSA checkpoint"
+        )
+
+    _STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+    _EXPERT = None
+
+    def _expert_mapping(self):
+        if self._EXPERT is None:
+            self._EXPERT = fused_moe_make_expert_params_mapping(
+                self,
+                ckpt_gate_proj_name="gate_proj",
+                ckpt_down_proj_name="down_proj",
+                ckpt_up_proj_name="up_proj",
+                num_experts=self.config.n_routed_experts,
+            )
+        return self._EXPERT
+
+    def _target_param(self, name: str, params: dict):
+        """(param name, shard id, expert id) for a checkpoint name, or None if the model has no such tensor."""
+        if ".mlp.experts." in name:
+            for param_name, weight_name, expert_id, shard_id in self._expert_mapping():
+                if weight_name in name:
+                    mapped = name.replace(weight_name, param_name)
+                    if mapped in params:
+                        return mapped, shard_id, expert_id
+            return None
+        for param_name, weight_name, shard_id in self._STACKED:
+            if f".{weight_name}." in name:
+                mapped = name.replace(f".{weight_name}.", f".{param_name}.")
+                return (mapped, shard_id, None) if mapped in params else None
+        return (name, None, None) if name in params else None
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        remapper = self._remapper(params)
+        loaded: set[str] = set()
+        for name, tensor in remapper.apply(weights):
+            param_name, shard_id, expert_id = self._target_param(name, params)
+            param = params[param_name]
+            loader = getattr(param, "weight_loader", default_weight_loader)
+            if expert_id is not None:
+                loader(param, tensor, param_name, shard_id=shard_id, expert_id=expert_id)
+            elif shard_id is not None:
+                loader(param, tensor, shard_id)
+            else:
+                loader(param, tensor)
+            loaded.add(param_name)
+        report = remapper.finish(required=None)
+        missing = sorted(set(params) - loaded)
+        if missing:
+            raise remap.RemapError(f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}")
+        self.load_report = report
+        logger.info("GLM-DSA weights (%s path): %s", self.model.mode.value, report.summary())
+        return loaded

@@ -1,0 +1,83 @@
+"""Tiny GLM-5.x DSA checkpoints saved by transformers itself (tests, demo, bench).
+
+Head sizes are CPU-friendly (qk head 64 = 48 nope + 16 rope, v head 64) and the
+indexer has 16 heads so the top-k boundary has no ties (REFERENCE §8).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+TINY_CONFIG = dict(
+    vocab_size=512,
+    hidden_size=128,
+    intermediate_size=128,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    n_shared_experts=1,
+    n_routed_experts=8,
+    kv_lora_rank=32,
+    q_lora_rank=64,
+    qk_rope_head_dim=16,
+    v_head_dim=64,
+    qk_nope_head_dim=48,
+    n_group=2,
+    topk_group=1,
+    num_experts_per_tok=2,
+    routed_scaling_factor=2.5,
+    max_position_embeddings=1024,
+    index_topk=8,
+    index_head_dim=32,
+    index_n_heads=16,
+    first_k_dense_replace=1,
+    indexer_types=["full", "full", "shared"],
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    num_nextn_predict_layers=1,
+    bos_token_id=0,
+    eos_token_id=0,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def make_tiny(out_dir: str | Path, seed: int = 0, std: float = 0.08, tokenizer: bool = True, **overrides) -> Path:
+    """Write a random tiny ``GlmMoeDsaForCausalLM`` with ``save_pretrained`` (float32).
+
+    ``std`` sets the init scale (larger than the default 0.02 so logits are not
+    flat); ``overrides`` change config fields (e.g. ``index_topk=64``).
+    """
+    import torch
+    from transformers import GlmMoeDsaConfig, GlmMoeDsaForCausalLM
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = dict(TINY_CONFIG, initializer_range=std)
+    cfg.update(overrides)
+    config = GlmMoeDsaConfig(**cfg)
+    torch.manual_seed(seed)
+    model = GlmMoeDsaForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("e_score_correction_bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+            elif p.dim() == 1:  # norms: around 1, not exactly 1
+                p.copy_(
+                    1.0 + torch.randn(p.shape, generator=g) * 0.1
+                    if "bias" not in name
+                    else torch.randn(p.shape, generator=g) * 0.1
+                )
+        model.model.embed_tokens.weight.mul_(10)
+    model.save_pretrained(str(out))
+    if tokenizer:
+        from ascend_adapters.common.testing.tokenizer import write_tokenizer
+
+        write_tokenizer(out, vocab_size=config.vocab_size)
+    # record the tiny-model provenance next to the weights
+    (out / "tiny_glm_dsa.json").write_text(
+        json.dumps({"seed": seed, "std": std, "overrides": overrides}, default=str, indent=2)
+    )
+    return out
