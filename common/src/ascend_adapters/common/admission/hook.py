@@ -1,0 +1,124 @@
+"""Serve-time admission, called from common's ``vllm.general_plugins`` hook.
+
+Enabled by ``ASCEND_ADAPTERS_MANIFEST=/path/to/manifest.json``. vLLM calls
+general plugins in every process it starts; in ``vllm serve`` the first call
+happens in the API server process while vLLM builds its argument parser, before
+any model module is imported or any weight is read. That is where the full
+check runs (sizes, headers, description, versions and sha256 of every file).
+
+The model directory is taken from, in order: ``ASCEND_ADAPTERS_MODEL_DIR``;
+the command line (``vllm serve DIR`` or ``--model DIR``); the ``model`` of the
+``EngineArgs`` being built (the ``vllm.LLM(...)`` path, where plugins load in
+``EngineArgs.__post_init__``); the directory a parent process admitted.
+
+A process that passed the full check exports a marker (manifest digest +
+directory) to the processes vLLM starts later (model inspection, engine core,
+workers); they re-run the cheap structural checks but do not hash again.
+
+On failure the report goes to stderr and the process exits non-zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+
+MANIFEST_ENV = "ASCEND_ADAPTERS_MANIFEST"
+MODEL_DIR_ENV = "ASCEND_ADAPTERS_MODEL_DIR"
+HASH_ENV = "ASCEND_ADAPTERS_ADMISSION_HASH"  # "0" skips sha256 at serve time (structure only)
+ADMITTED_ENV = "ASCEND_ADAPTERS_ADMITTED"  # set by this module for child processes
+
+EXIT_CODE = 3
+_admitted: tuple[str, str] | None = None
+
+
+def model_dir_from_argv(argv: list[str]) -> str | None:
+    """The model of ``vllm serve MODEL ...`` or ``--model MODEL``, else None."""
+    rest = argv[1:]
+    is_serve = "serve" in rest
+    if is_serve:
+        rest = rest[rest.index("serve") + 1 :]
+    for i, arg in enumerate(rest):
+        if arg == "--model" and i + 1 < len(rest):
+            return rest[i + 1]
+        if arg.startswith("--model="):
+            return arg.split("=", 1)[1]
+    if is_serve and rest and not rest[0].startswith("-"):
+        return rest[0]
+    return None
+
+
+def _model_from_engine_args() -> str | None:
+    """``self.model`` of an ``EngineArgs`` under construction further up the stack."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        obj = frame.f_locals.get("self")
+        if obj is not None and type(obj).__name__.endswith("EngineArgs"):
+            model = getattr(obj, "model", None)
+            if isinstance(model, str) and model:
+                return model
+        frame = frame.f_back
+    return None
+
+
+def _fail(message: str) -> None:
+    sys.stderr.write(f"ascend-adapters admission REFUSED the model ({MANIFEST_ENV} is set):\n{message}\n")
+    sys.stderr.flush()
+    raise SystemExit(EXIT_CODE)
+
+
+def admit_from_env() -> None:
+    """Validate the model directory named by the environment; exit non-zero on failure. Idempotent."""
+    global _admitted
+    manifest_path = os.environ.get(MANIFEST_ENV, "").strip()
+    if not manifest_path:
+        return
+    try:
+        with open(manifest_path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as exc:
+        _fail(f"  ERROR [manifest-unreadable] {manifest_path}: {exc}")
+        return
+
+    marker = None
+    try:
+        marker = json.loads(os.environ.get(ADMITTED_ENV, "") or "null")
+    except ValueError:
+        marker = None
+    if not isinstance(marker, dict) or marker.get("manifest_sha256") != digest:
+        marker = None
+
+    model = (
+        os.environ.get(MODEL_DIR_ENV, "").strip()
+        or model_dir_from_argv(sys.argv)
+        or _model_from_engine_args()
+        or (marker or {}).get("model_dir")
+    )
+    if not model:
+        _fail(
+            f"  ERROR [model-dir-unknown] {MANIFEST_ENV}: cannot tell which model directory to check; "
+            f"use `vllm serve DIR` or set {MODEL_DIR_ENV}"
+        )
+        return
+    if not os.path.isdir(model):
+        _fail(f"  ERROR [dir-missing] {model}: not a local model directory")
+        return
+    real = os.path.realpath(model)
+    if _admitted == (digest, real):
+        return
+
+    from ascend_adapters.common.admission.checks import check_dir
+
+    quick = marker is not None and marker.get("model_dir") == real and marker.get("full")
+    hashes = not quick and os.environ.get(HASH_ENV, "1").strip() != "0"
+    report = check_dir(real, manifest_path, verify_hashes=hashes, progress=False)
+    if not report.ok:
+        _fail(report.format())
+        return
+    _admitted = (digest, real)
+    if not quick:
+        os.environ[ADMITTED_ENV] = json.dumps({"manifest_sha256": digest, "model_dir": real, "full": True})
+        sys.stderr.write(f"ascend-adapters admission: {report.summary_line()} (manifest {manifest_path})\n")
+        sys.stderr.flush()
