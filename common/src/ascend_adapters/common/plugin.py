@@ -8,4 +8,9 @@ from __future__ import annotations
 
 
 def register() -> None:
-    pass
+    import os
+
+    if os.environ.get("ASCEND_ADAPTERS_MANIFEST"):  # fail-closed admission, see docs/admission.md
+        from ascend_adapters.common.admission.hook import admit_from_env
+
+        admit_from_env()
