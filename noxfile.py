@@ -80,8 +80,7 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: bool
 
 def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
     args = session.posargs or []
-    session.run(str(python), "-m", "pytest", "-ra", *paths, *args,
-                env={**TEST_ENV, **(extra_env or {})}, external=True)
+    session.run(str(python), "-m", "pytest", "-ra", *paths, *args, env={**TEST_ENV, **(extra_env or {})}, external=True)
 
 
 def _tests_of(pkgs: list[str]) -> list[str]:
@@ -126,8 +125,7 @@ def demo(session: nox.Session) -> None:
     `nox -s demo -- --model rwkv7` (or glm_dsa, deepseek_v4) serves that adapter's tiny model.
     """
     python = provision(session, "all", list(PACKAGES))
-    session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs,
-                env=TEST_ENV, external=True)
+    session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs, env=TEST_ENV, external=True)
 
 
 @nox.session
@@ -139,8 +137,15 @@ def bench(session: nox.Session) -> None:
     for pkg, path in PACKAGES.items():
         for script in sorted((ROOT / path / "bench").glob("bench_*.py")):
             session.log(f"== {pkg}: {script.name}")
-            session.run(str(python), str(script), "--out", str(out_dir / f"{script.stem}.json"), *session.posargs,
-                        env=TEST_ENV, external=True)
+            session.run(
+                str(python),
+                str(script),
+                "--out",
+                str(out_dir / f"{script.stem}.json"),
+                *session.posargs,
+                env=TEST_ENV,
+                external=True,
+            )
     session.log(f"bench results: {out_dir}")
 
 
@@ -148,5 +153,9 @@ def bench(session: nox.Session) -> None:
 def evidence(session: nox.Session) -> None:
     """Run every gate (tests marked `gate`) and rewrite evidence/ with their records."""
     python = provision(session, "all", list(PACKAGES))
-    _pytest(session, python, ["-m", "gate", *_tests_of(list(PACKAGES))],
-            extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")})
+    _pytest(
+        session,
+        python,
+        ["-m", "gate", *_tests_of(list(PACKAGES))],
+        extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
+    )

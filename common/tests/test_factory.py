@@ -2,7 +2,12 @@ import json
 
 from safetensors import safe_open
 
-from ascend_adapters.common.testing.factory import make_checkpoint, make_tiny_llama, tiny_llama_config, tiny_llama_weights
+from ascend_adapters.common.testing.factory import (
+    make_checkpoint,
+    make_tiny_llama,
+    tiny_llama_config,
+    tiny_llama_weights,
+)
 
 
 def test_tiny_llama_layout(tmp_path):

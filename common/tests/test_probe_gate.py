@@ -28,8 +28,19 @@ def llama_dir(tmp_path_factory):
 @pytest.mark.gate
 def test_llama_probe_gate(llama_dir, evidence_root):
     rec = EvidenceRecord(model="llama_probe", gate="serve_and_parity")
-    args = ["--dtype", "float32", "--enforce-eager", "--max-model-len", "256", "--kv-cache-memory-bytes", "64M",
-            "--max-num-seqs", "4", "--hf-overrides", OVERRIDE]
+    args = [
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "256",
+        "--kv-cache-memory-bytes",
+        "64M",
+        "--max-num-seqs",
+        "4",
+        "--hf-overrides",
+        OVERRIDE,
+    ]
     with VllmServer(llama_dir, args, env={PROBE_ENV: "1"}) as srv:
         rec.command(srv.cmd)
         rec.metric("startup_s", round(srv.timings.startup_s, 2))
@@ -46,8 +57,13 @@ def test_llama_probe_gate(llama_dir, evidence_root):
     assert text and resolved
 
     prompts = [[5, 6, 7, 8, 9, 10, 11, 12], [40, 41, 42], list(range(100, 140))]
-    runs = vllm_logits(llama_dir, [prompts, [prompts[1]]], max_tokens=8,
-                       llm_kwargs={"hf_overrides": {"architectures": [ARCH]}}, env={PROBE_ENV: "1"})
+    runs = vllm_logits(
+        llama_dir,
+        [prompts, [prompts[1]]],
+        max_tokens=8,
+        llm_kwargs={"hf_overrides": {"architectures": [ARCH]}},
+        env={PROBE_ENV: "1"},
+    )
     rec.command(f"vllm.LLM({llama_dir}, hf_overrides={OVERRIDE}, dtype=float32) raw logits, batched + single")
     from transformers import LlamaForCausalLM
 
@@ -61,8 +77,11 @@ def test_llama_probe_gate(llama_dir, evidence_root):
     rec.metric("max_abs_logit_diff_batched", batched.max_abs_diff)
     rec.metric("max_abs_logit_diff_single", single.max_abs_diff)
     rec.check("logits within 1e-4 of transformers", max(batched.max_abs_diff, single.max_abs_diff) < 1e-4)
-    rec.check("greedy tokens identical", batched.tokens_identical and single.tokens_identical,
-              batched.first_divergence or single.first_divergence)
+    rec.check(
+        "greedy tokens identical",
+        batched.tokens_identical and single.tokens_identical,
+        batched.first_divergence or single.first_divergence,
+    )
     rec.check("batched == single", runs[0][1].gen_ids == runs[1][0].gen_ids)
     rec.skip("NPU path", "no Ascend NPU on this machine; the portable path ran")
     path = rec.write(evidence_root)
@@ -70,7 +89,8 @@ def test_llama_probe_gate(llama_dir, evidence_root):
     saved = json.loads(path.read_text())
     assert saved["passed"], saved["checks"]
     assert saved["versions"]["torch"] and saved["commands"]
-    assert (evidence_root / "index.md").read_text().count("llama_probe") == 1
+    index = (evidence_root / "index.md").read_text()
+    assert index.count("| llama_probe | serve_and_parity | PASS |") == 1
 
 
 @pytest.mark.vllm

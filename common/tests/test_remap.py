@@ -16,8 +16,12 @@ def make(targets):
 
 
 def test_chain_transform_and_skip():
-    targets = {"model.layers.0.attn.r_proj.weight", "model.layers.0.attn.w_lora.lora.0.weight",
-               "model.layers.0.attn.w_lora.lora.2.bias", "model.layers.0.never_loaded"}
+    targets = {
+        "model.layers.0.attn.r_proj.weight",
+        "model.layers.0.attn.w_lora.lora.0.weight",
+        "model.layers.0.attn.w_lora.lora.2.bias",
+        "model.layers.0.never_loaded",
+    }
     r = make(targets)
     src = {
         "blocks.0.att.receptance.weight": torch.zeros(4, 4),
@@ -37,8 +41,11 @@ def test_chain_transform_and_skip():
 
 def test_unknown_names_are_errors_listing_every_culprit():
     r = make({"model.layers.0.attn.r_proj.weight"})
-    src = {"blocks.0.att.receptance.weight": torch.zeros(1), "blocks.0.att.mystery": torch.zeros(1),
-           "head.bogus": torch.zeros(1)}
+    src = {
+        "blocks.0.att.receptance.weight": torch.zeros(1),
+        "blocks.0.att.mystery": torch.zeros(1),
+        "head.bogus": torch.zeros(1),
+    }
     list(r.apply(src.items()))
     with pytest.raises(RemapError) as exc:
         r.finish()

@@ -19,8 +19,8 @@ implementation is used only when ``platform.kernel_path()`` is NPU.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from ascend_adapters.common.platform import KernelPath, kernel_path
 

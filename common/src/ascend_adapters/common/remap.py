@@ -16,8 +16,9 @@ unused names.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any
 
 Transform = Callable[[Any], Any]
 
@@ -74,7 +75,9 @@ class RemapReport:
     def summary(self) -> str:
         lines = [f"mapped {len(self.mapped)}, skipped {len(self.skipped)}, unmapped {len(self.unmapped)}"]
         lines += [f"  skipped {k}: {v}" for k, v in sorted(self.skipped.items())]
-        lines += [f"  UNMAPPED {k} (became {v!r}, which the model does not have)" for k, v in sorted(self.unmapped.items())]
+        lines += [
+            f"  UNMAPPED {k} (became {v!r}, which the model does not have)" for k, v in sorted(self.unmapped.items())
+        ]
         lines += [f"  unused target {k}" for k in self.unused]
         return "\n".join(lines)
 

@@ -72,8 +72,13 @@ def vllm_command(python: str | None = None) -> list[str]:
     return [python, "-m", "ascend_adapters.common.launcher"]
 
 
-def serve_command(model_dir: str | os.PathLike, args: list[str] | tuple[str, ...] = (), *,
-                  host: str = "127.0.0.1", port: int | None = None) -> list[str]:
+def serve_command(
+    model_dir: str | os.PathLike,
+    args: list[str] | tuple[str, ...] = (),
+    *,
+    host: str = "127.0.0.1",
+    port: int | None = None,
+) -> list[str]:
     port = port or free_port()
     return [*vllm_command(), "serve", str(model_dir), "--host", host, "--port", str(port), *args]
 
@@ -110,10 +115,17 @@ class VllmServer:
     (``log_path``) so a long-running server never blocks on a full pipe.
     """
 
-    def __init__(self, model_dir: str | os.PathLike, args: list[str] | tuple[str, ...] | None = None, *,
-                 env: dict[str, str] | None = None, startup_timeout: float = 600.0,
-                 port: int | None = None, log_path: str | os.PathLike | None = None,
-                 served_model_name: str | None = None):
+    def __init__(
+        self,
+        model_dir: str | os.PathLike,
+        args: list[str] | tuple[str, ...] | None = None,
+        *,
+        env: dict[str, str] | None = None,
+        startup_timeout: float = 600.0,
+        port: int | None = None,
+        log_path: str | os.PathLike | None = None,
+        served_model_name: str | None = None,
+    ):
         self.model_dir = str(model_dir)
         self.args = list(CPU_TEST_ARGS if args is None else args)
         if served_model_name:
@@ -133,8 +145,14 @@ class VllmServer:
     def start(self) -> VllmServer:
         t0 = time.monotonic()
         self._log = open(self.log_path, "wb")
-        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
-                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env=self.env,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         try:
             self._wait_ready(t0)
         except BaseException:
@@ -149,7 +167,9 @@ class VllmServer:
             if rc is not None:
                 raise ServerStartError(f"vllm serve exited with code {rc} before it was ready", self.log_tail(), rc)
             if time.monotonic() - t0 > self.startup_timeout:
-                raise ServerStartError(f"vllm serve not ready after {self.startup_timeout:.0f} s", self.log_tail(), None)
+                raise ServerStartError(
+                    f"vllm serve not ready after {self.startup_timeout:.0f} s", self.log_tail(), None
+                )
             try:
                 status, _ = http_json(self.base_url + "/v1/models", timeout=5)
                 if status == 200:
@@ -222,9 +242,19 @@ class VllmServer:
         return body
 
     def complete(self, prompt: str | list[int], max_tokens: int = 16, temperature: float = 0.0, **kw) -> dict:
-        return self._ok("/v1/completions", {"model": self.model_name, "prompt": prompt,
-                                            "max_tokens": max_tokens, "temperature": temperature, **kw})
+        return self._ok(
+            "/v1/completions",
+            {"model": self.model_name, "prompt": prompt, "max_tokens": max_tokens, "temperature": temperature, **kw},
+        )
 
     def chat(self, messages: list[dict], max_tokens: int = 16, temperature: float = 0.0, **kw) -> dict:
-        return self._ok("/v1/chat/completions", {"model": self.model_name, "messages": messages,
-                                                 "max_tokens": max_tokens, "temperature": temperature, **kw})
+        return self._ok(
+            "/v1/chat/completions",
+            {
+                "model": self.model_name,
+                "messages": messages,
+                "max_tokens": max_tokens,
+                "temperature": temperature,
+                **kw,
+            },
+        )

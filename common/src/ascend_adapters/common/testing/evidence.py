@@ -24,12 +24,18 @@ SCHEMA = "ascend-adapters/evidence/v1"
 
 def git_revision(cwd: str | os.PathLike | None = None) -> str | None:
     try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent,
-                             capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=cwd or Path(__file__).parent, capture_output=True, text=True, timeout=10
+        )
         rev = out.stdout.strip() if out.returncode == 0 else None
         if rev:
-            dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
-                                   cwd=cwd or Path(__file__).parent, capture_output=True, text=True, timeout=10)
+            dirty = subprocess.run(
+                ["git", "status", "--porcelain", "--untracked-files=no"],
+                cwd=cwd or Path(__file__).parent,
+                capture_output=True,
+                text=True,
+                timeout=10,
+            )
             if dirty.stdout.strip():
                 rev += "+dirty"
         return rev
@@ -133,13 +139,18 @@ def write_index(root: str | os.PathLike) -> Path:
         if rec.get("schema") != SCHEMA:
             continue
         engine = f"{rec.get('engine_distribution') or 'vllm'} {rec.get('versions', {}).get('vllm') or '?'}"
-        rows.append(f"| {rec['model']} | {rec['gate']} | {'PASS' if rec['passed'] else 'FAIL'} | "
-                    f"{rec['started_utc']} | {engine} | {rec['platform'].get('kernel_path')} | "
-                    f"[{p.relative_to(root)}]({p.relative_to(root)}) |")
-    text = ("# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `ascend-adapters gate`). "
-            "Each record lists versions, platform, commands, numbers and what was not run.\n\n"
-            "| model | gate | result | started (UTC) | engine | kernel path | record |\n|---|---|---|---|---|---|---|\n"
-            + "\n".join(rows) + "\n")
+        rows.append(
+            f"| {rec['model']} | {rec['gate']} | {'PASS' if rec['passed'] else 'FAIL'} | "
+            f"{rec['started_utc']} | {engine} | {rec['platform'].get('kernel_path')} | "
+            f"[{p.relative_to(root)}]({p.relative_to(root)}) |"
+        )
+    text = (
+        "# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `ascend-adapters gate`). "
+        "Each record lists versions, platform, commands, numbers and what was not run.\n\n"
+        "| model | gate | result | started (UTC) | engine | kernel path | record |\n|---|---|---|---|---|---|---|\n"
+        + "\n".join(rows)
+        + "\n"
+    )
     path = root / "index.md"
     path.write_text(text)
     return path

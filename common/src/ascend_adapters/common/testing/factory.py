@@ -9,16 +9,17 @@ on it.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Callable, Mapping
 
 from ascend_adapters.common.testing.tokenizer import write_tokenizer
 
 TINY_VOCAB = 512
 
 
-def write_safetensors_shards(out_dir: Path, tensors: Mapping, max_shard_bytes: int | None = None,
-                             stem: str = "model") -> list[str]:
+def write_safetensors_shards(
+    out_dir: Path, tensors: Mapping, max_shard_bytes: int | None = None, stem: str = "model"
+) -> list[str]:
     """Save tensors as one file or as HF-style shards plus an index."""
     from safetensors.torch import save_file
 
@@ -48,8 +49,14 @@ def write_safetensors_shards(out_dir: Path, tensors: Mapping, max_shard_bytes: i
     return names
 
 
-def make_checkpoint(out_dir: str | Path, config: dict, weights: Mapping | Callable[[dict], Mapping],
-                    *, max_shard_bytes: int | None = None, tokenizer: bool = True) -> Path:
+def make_checkpoint(
+    out_dir: str | Path,
+    config: dict,
+    weights: Mapping | Callable[[dict], Mapping],
+    *,
+    max_shard_bytes: int | None = None,
+    tokenizer: bool = True,
+) -> Path:
     """Write a checkpoint directory; ``weights`` may be a function of the config."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -98,8 +105,7 @@ def tiny_llama_weights(cfg: dict, seed: int = 0, std: float = 0.05) -> dict:
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     nq, nkv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd
-    w = {"model.embed_tokens.weight": rnd(v, h) * 20, "model.norm.weight": 1 + rnd(h),
-         "lm_head.weight": rnd(v, h) * 4}
+    w = {"model.embed_tokens.weight": rnd(v, h) * 20, "model.norm.weight": 1 + rnd(h), "lm_head.weight": rnd(v, h) * 4}
     for layer in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{layer}."
         w |= {

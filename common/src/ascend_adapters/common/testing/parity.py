@@ -19,9 +19,9 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 DEFAULT_LLM_KWARGS = {
     "dtype": "float32",
@@ -44,9 +44,15 @@ class SeqLogits:
         return self.prompt_ids + self.gen_ids[:-1]
 
 
-def vllm_logits(model_dir: str | os.PathLike, runs: Sequence[Sequence[Sequence[int]]], max_tokens: int = 8, *,
-                llm_kwargs: dict | None = None, env: dict | None = None, timeout: float = 900.0
-                ) -> list[list[SeqLogits]]:
+def vllm_logits(
+    model_dir: str | os.PathLike,
+    runs: Sequence[Sequence[Sequence[int]]],
+    max_tokens: int = 8,
+    *,
+    llm_kwargs: dict | None = None,
+    env: dict | None = None,
+    timeout: float = 900.0,
+) -> list[list[SeqLogits]]:
     """Greedy-generate ``max_tokens`` for each prompt with raw logits.
 
     ``runs`` is a list of batches; each batch is submitted as one
@@ -67,7 +73,9 @@ def vllm_logits(model_dir: str | os.PathLike, runs: Sequence[Sequence[Sequence[i
         proc = subprocess.run(
             [sys.executable, "-m", "ascend_adapters.common.testing.parity_worker", str(spec_path), str(out_path)],
             env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
-            capture_output=True, text=True, timeout=timeout,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
         )
         if proc.returncode != 0 or not out_path.exists():
             tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
@@ -84,8 +92,12 @@ class ParityReport:
     per_sequence: list[dict] = field(default_factory=list)
 
     def as_dict(self) -> dict:
-        return {"max_abs_diff": self.max_abs_diff, "tokens_identical": self.tokens_identical,
-                "first_divergence": self.first_divergence, "per_sequence": self.per_sequence}
+        return {
+            "max_abs_diff": self.max_abs_diff,
+            "tokens_identical": self.tokens_identical,
+            "first_divergence": self.first_divergence,
+            "per_sequence": self.per_sequence,
+        }
 
 
 def compare(results: Sequence[SeqLogits], reference: Callable[[list[int]], object]) -> ParityReport:
@@ -103,15 +115,28 @@ def compare(results: Sequence[SeqLogits], reference: Callable[[list[int]], objec
         seq_max = float(diff.max())
         worst = max(worst, seq_max)
         t = len(seq.prompt_ids)
-        ref_greedy = ref[t - 1:, :vocab].argmax(-1).tolist()
+        ref_greedy = ref[t - 1 :, :vocab].argmax(-1).tolist()
         div = None
         for j, (a, b) in enumerate(zip(seq.gen_ids, ref_greedy)):
             if a != b:
                 top2 = ref[t - 1 + j, :vocab].topk(2).values
-                div = {"sequence": i, "step": j, "vllm": a, "reference": b, "reference_top2_gap": float(top2[0] - top2[1])}
+                div = {
+                    "sequence": i,
+                    "step": j,
+                    "vllm": a,
+                    "reference": b,
+                    "reference_top2_gap": float(top2[0] - top2[1]),
+                }
                 break
         if div and first is None:
             first = div
-        per_seq.append({"prompt_len": t, "generated": len(seq.gen_ids), "max_abs_diff": seq_max,
-                        "worst_position": int(diff.max(-1).values.argmax()), "divergence": div})
+        per_seq.append(
+            {
+                "prompt_len": t,
+                "generated": len(seq.gen_ids),
+                "max_abs_diff": seq_max,
+                "worst_position": int(diff.max(-1).values.argmax()),
+                "divergence": div,
+            }
+        )
     return ParityReport(worst, first is None, first, per_seq)

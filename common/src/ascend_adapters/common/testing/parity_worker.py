@@ -21,11 +21,18 @@ def main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(open(spec_path).read())
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, logprobs_mode="raw_logits", max_logprobs=-1,
-              **spec["llm_kwargs"])
+    llm = LLM(
+        model=spec["model"], skip_tokenizer_init=True, logprobs_mode="raw_logits", max_logprobs=-1, **spec["llm_kwargs"]
+    )
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(temperature=0.0, max_tokens=spec["max_tokens"], logprobs=-1, prompt_logprobs=-1,
-                            detokenize=False, ignore_eos=True)
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=spec["max_tokens"],
+        logprobs=-1,
+        prompt_logprobs=-1,
+        detokenize=False,
+        ignore_eos=True,
+    )
     out = []
     for batch in spec["runs"]:
         results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
