@@ -73,7 +73,8 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: bool
     editable = []
     for pkg in packages:
         editable += ["-e", f"{ROOT / PACKAGES[pkg]}[test]"]
-    session.run(*pip, *editable, external=True)
+    if editable:
+        session.run(*pip, *editable, external=True)
     stamp_file.write_text(stamp)
     return python
 
