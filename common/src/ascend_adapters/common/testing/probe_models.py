@@ -18,8 +18,12 @@ class ProbeCrashingLlamaForCausalLM(LlamaForCausalLM):
     """
 
     def forward(self, input_ids, positions, *args, **kwargs):
-        if input_ids is not None and 0 < input_ids.numel() < 100 and int(positions.max()) < 100 \
-                and int(input_ids.min()) > 0:
+        if (
+            input_ids is not None
+            and 0 < input_ids.numel() < 100
+            and int(positions.max()) < 100
+            and int(input_ids.min()) > 0
+        ):
             raise RuntimeError("probe: deliberate failure on the first real forward")
         return super().forward(input_ids, positions, *args, **kwargs)
 
