@@ -10,6 +10,10 @@ from __future__ import annotations
 def register() -> None:
     import os
 
+    from ascend_adapters.common.quant import register as register_modelslim_quant
+
+    register_modelslim_quant()  # `modelslim` quantization config + auto-selection, see docs/quantization.md
+
     if os.environ.get("ASCEND_ADAPTERS_MANIFEST"):  # fail-closed admission, see docs/admission.md
         from ascend_adapters.common.admission.hook import admit_from_env
 

@@ -1,0 +1,177 @@
+"""Portable torch implementation of the ModelSlim W8A8 kernels (CPU, any device).
+
+The integer part is exact: int8 x int8 products are accumulated in int32
+(``torch._int_mm`` where the backend has it, an exact float64 matmul otherwise:
+|acc| <= K * 128 * 128 stays far below 2**53). Rounding is round-half-to-even
+(``torch.round``). The equations are those of REFERENCE §2:
+
+    dynamic: s[t] = max|x[t]| / 127, xq = round(x / s), y = (xq @ W.T) * weight_scale[n] * s[t] (+ bias)
+    static:  xq = clamp(round(x / input_scale + input_offset), -128, 127)
+             y  = (xq @ W.T + quant_bias) * deq_scale
+
+An all-zero activation row gives s = 0 and xq = 0, so y = bias (never NaN).
+Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ascend_adapters.common import dispatch
+
+_INT_MM_OK: bool | None = None
+
+
+def _int_mm_available() -> bool:
+    global _INT_MM_OK
+    if _INT_MM_OK is None:
+        try:
+            a = torch.ones(2, 3, dtype=torch.int8)
+            _INT_MM_OK = bool(torch._int_mm(a, a.t().contiguous()).sum() == 12)
+        except Exception:
+            _INT_MM_OK = False
+    return _INT_MM_OK
+
+
+def int8_matmul(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """Exact ``xq [T, K] int8 @ w[N, K].T -> int32 [T, N]``."""
+    if xq.dtype != torch.int8 or w.dtype != torch.int8:
+        raise TypeError(f"int8_matmul needs int8 operands, got {xq.dtype} and {w.dtype}")
+    if xq.shape[0] == 0:
+        return torch.zeros(0, w.shape[0], dtype=torch.int32, device=xq.device)
+    if xq.device.type == "cpu" and _int_mm_available():
+        return torch._int_mm(xq.contiguous(), w.t())
+    return (xq.to(torch.float64) @ w.t().to(torch.float64)).to(torch.int32)
+
+
+def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-token int8 quantization: ``(xq int8 [T, K], s float32 [T, 1])``."""
+    xf = x.float()
+    s = xf.abs().amax(dim=-1, keepdim=True) / 127.0
+    safe = torch.where(s > 0, s, torch.ones_like(s))
+    xq = torch.round(xf / safe).clamp_(-127, 127).to(torch.int8)
+    return xq, s
+
+
+def quantize_per_tensor(x: torch.Tensor, input_scale: torch.Tensor, input_offset: torch.Tensor) -> torch.Tensor:
+    """Asymmetric per-tensor int8 quantization with the checkpoint's scale and offset."""
+    xf = x.float()
+    return torch.round(xf / input_scale.float() + input_offset.float()).clamp_(-128, 127).to(torch.int8)
+
+
+@dispatch.portable("modelslim.pack_weight")
+def pack_weight(weight: torch.Tensor) -> torch.Tensor:
+    """Kernel layout of an int8 ``[N, K]`` (or ``[E, N, K]``) weight: unchanged on the portable path."""
+    return weight.contiguous()
+
+
+@dispatch.portable("modelslim.w8a8_dynamic_linear")
+def w8a8_dynamic_linear(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq, s = quantize_per_token(x2)
+    acc = int8_matmul(xq, weight)
+    y = acc.to(torch.float32) * (s * weight_scale.reshape(1, -1).float())
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+
+
+@dispatch.portable("modelslim.w8a8_static_linear")
+def w8a8_static_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    input_offset: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    """Static W8A8: ``deq_scale`` float32 [N]; ``quant_bias`` int32 [N] or None (row-parallel rank > 0)."""
+    shape = x.shape
+    x2 = x.reshape(-1, shape[-1])
+    xq = quantize_per_tensor(x2, input_scale, input_offset)
+    acc = int8_matmul(xq, weight)
+    if quant_bias is not None:
+        acc = acc + quant_bias.to(torch.int32).reshape(1, -1)
+    y = acc.to(torch.float32) * deq_scale.reshape(1, -1).float()
+    return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
+
+
+def _act(name: str, h: torch.Tensor) -> torch.Tensor:
+    gate, up = h.chunk(2, dim=-1)
+    if name == "silu":
+        return torch.nn.functional.silu(gate) * up
+    if name == "gelu":
+        return torch.nn.functional.gelu(gate) * up
+    raise ValueError(f"W8A8_DYNAMIC MoE: activation {name!r} is not supported (silu, gelu)")
+
+
+def local_routes(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
+    """Global expert ids -> local expert ids; -1 for negative routes and experts not on this rank."""
+    ids = topk_ids.long()
+    valid = ids >= 0
+    if expert_map is not None:
+        safe = torch.where(valid, ids, torch.zeros_like(ids)).clamp_(max=expert_map.numel() - 1)
+        local = expert_map.long()[safe]
+        local = torch.where(valid & (ids < expert_map.numel()), local, torch.full_like(local, -1))
+    else:
+        local = torch.where(valid & (ids < num_local_experts), ids, torch.full_like(ids, -1))
+    return local
+
+
+@dispatch.portable("modelslim.w8a8_dynamic_moe")
+def w8a8_dynamic_moe(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    activation: str = "silu",
+    apply_router_weight_on_input: bool = False,
+) -> torch.Tensor:
+    """Routed experts with W8A8_DYNAMIC weights.
+
+    ``x [T, H]``; ``w13 [E, 2I, H]`` int8 with ``w13_scale [E, 2I]``; ``w2 [E, H, I]`` int8 with
+    ``w2_scale [E, H]``; ``topk_ids [T, k]`` global expert ids (negative: no route);
+    ``expert_map [E_global]`` global -> local id (-1: not on this rank). Returns ``[T, H]`` in x.dtype,
+    the router-weighted sum over the local experts (the caller reduces across ranks).
+    """
+    T, H = x.shape
+    E = w13.shape[0]
+    k = topk_ids.shape[-1]
+    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
+    if T == 0:
+        return out.to(x.dtype)
+    local = local_routes(topk_ids.reshape(T, k), E, expert_map).reshape(-1)
+    tok = torch.arange(T, device=x.device).repeat_interleave(k)
+    wts = topk_weights.reshape(-1).float()
+    keep = local >= 0
+    local, tok, wts = local[keep], tok[keep], wts[keep]
+    if local.numel() == 0:
+        return out.to(x.dtype)
+    order = torch.argsort(local, stable=True)
+    local, tok, wts = local[order], tok[order], wts[order]
+    counts = torch.bincount(local, minlength=E).tolist()
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        t_e, w_e = tok[start : start + n], wts[start : start + n]
+        start += n
+        rows = x[t_e]
+        if apply_router_weight_on_input:
+            rows = (rows.float() * w_e[:, None]).to(x.dtype)
+        h = w8a8_dynamic_linear(rows, w13[e], w13_scale[e].reshape(-1))
+        a = _act(activation, h.float()).to(x.dtype)
+        o = w8a8_dynamic_linear(a, w2[e], w2_scale[e].reshape(-1)).float()
+        if not apply_router_weight_on_input:
+            o = o * w_e[:, None]
+        out.index_add_(0, t_e, o)
+    return out.to(x.dtype)
