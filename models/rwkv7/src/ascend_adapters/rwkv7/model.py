@@ -1,0 +1,367 @@
+"""RWKV-7 ("Goose", x070) for vLLM: attention-free, per-sequence recurrent state.
+
+Layout follows vLLM's own model files: the time-mix and channel-mix layers,
+the block (one vLLM state layer per block), the model, then the causal-LM
+head with ``load_weights``.
+
+State: each block owns three per-sequence tensors in vLLM's state cache
+(``MambaBase`` with ``mamba_type`` LINEAR): the time-mix shift vector ``[C]``,
+the WKV matrix ``[H, N, N]`` (float32) and the channel-mix shift vector
+``[C]``. Memory per sequence does not depend on the context length. A
+request's state slot is zeroed when it starts (no context yet), so a reused
+slot never leaks another request's state, and a preempted request restarts
+from zero.
+
+Batches come with decodes first (one token each: batched ``wkv_step``), then
+prefills (``wkv_chunk`` per sequence, starting from the stored state when the
+prompt is continued by chunked prefill).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ascend_adapters.common import dispatch
+from ascend_adapters.rwkv7 import wkv  # noqa: F401  (registers the kernel ops)
+from ascend_adapters.rwkv7.config import Rwkv7ConfigError, check_shapes, validate_config
+from ascend_adapters.rwkv7.remap import hf_remapper
+
+# exp(-0.5): RWKV-7's decay is w = exp(-exp(-0.5) * sigmoid(.)), so log w >= -0.6065 per token
+_DECAY_SCALE = 0.6065306597126334
+
+
+def state_shapes(config) -> tuple[tuple[int], tuple[int, int, int], tuple[int]]:
+    c, n = config.hidden_size, config.head_dim
+    return (c,), (c // n, n, n), (c,)
+
+
+def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
+    return model_dtype, torch.float32, model_dtype
+
+
+def state_bytes_per_sequence(config, model_dtype: torch.dtype = torch.float32) -> int:
+    """Formula: layers x (2 C x sizeof(dtype) + H N^2 x 4)."""
+    c, n = config.hidden_size, config.head_dim
+    per_layer = 2 * c * torch.finfo(model_dtype).bits // 8 + (c // n) * n * n * 4
+    return config.num_hidden_layers * per_layer
+
+
+@dataclass
+class _Batch:
+    """How the flat token batch splits into sequences, from the LINEAR backend's metadata."""
+
+    num_tokens: int
+    num_decodes: int
+    starts: list[int]
+    ends: list[int]
+    slots: torch.Tensor  # [num_reqs] state-cache rows
+    fresh: torch.Tensor  # [num_reqs] bool: no context before this step (state must start at zero)
+
+    @classmethod
+    def from_metadata(cls, md) -> _Batch:
+        qsl = md.query_start_loc.tolist()
+        num_reqs = md.num_decodes + md.num_prefills
+        qsl = qsl[: num_reqs + 1]
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
+        seq_lens = md.seq_lens[:num_reqs].to("cpu", torch.long)
+        return cls(
+            num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
+            num_decodes=md.num_decodes,
+            starts=qsl[:-1],
+            ends=qsl[1:],
+            slots=md.state_indices_tensor[:num_reqs].long(),
+            fresh=(seq_lens - q_lens) <= 0,
+        )
+
+
+def _token_shift(x: torch.Tensor, shift_state: torch.Tensor | None, batch: _Batch | None) -> torch.Tensor:
+    """Previous token's input for every token; the first token of a sequence takes the stored one."""
+    prev = torch.empty_like(x)
+    prev[1:] = x[:-1]
+    if batch is None:
+        prev[0] = 0
+        return prev
+    starts = torch.tensor(batch.starts, dtype=torch.long, device=x.device)
+    ends = torch.tensor(batch.ends, dtype=torch.long, device=x.device)
+    prev[starts] = shift_state[batch.slots].to(x.dtype)
+    shift_state[batch.slots] = x[ends - 1].to(shift_state.dtype)
+    return prev
+
+
+class Rwkv7LoRA(nn.Module):
+    """``up(act(down(x)))``: fla's ``lora.0`` / ``lora.2``."""
+
+    def __init__(self, c: int, rank: int, bias: bool, quant_config, prefix: str):
+        super().__init__()
+        self.down = ReplicatedLinear(c, rank, bias=False, quant_config=quant_config, prefix=f"{prefix}.down")
+        self.up = ReplicatedLinear(rank, c, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up")
+
+    def forward(self, x: torch.Tensor, act=None) -> torch.Tensor:
+        h, _ = self.down(x)
+        if act is not None:
+            h = act(h)
+        out, _ = self.up(h)
+        return out
+
+
+class Rwkv7TimeMix(nn.Module):
+    def __init__(self, config, layer_id: int, quant_config, prefix: str):
+        super().__init__()
+        c, n = config.hidden_size, config.head_dim
+        self.layer_id = layer_id
+        self.hidden_size, self.head_dim, self.num_heads = c, n, c // n
+        self.group_norm_eps = config.head_dim * config.norm_eps
+        for x in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "k_k", "k_a"):
+            setattr(self, x, nn.Parameter(torch.zeros(c), requires_grad=False))
+        self.r_k = nn.Parameter(torch.zeros(self.num_heads, n), requires_grad=False)
+        self.r_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.r_proj")
+        self.k_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.k_proj")
+        self.v_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.v_proj")
+        self.o_proj = RowParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.w_lora = Rwkv7LoRA(c, config.decay_low_rank_dim, True, quant_config, f"{prefix}.w_lora")
+        self.a_lora = Rwkv7LoRA(c, config.a_low_rank_dim, True, quant_config, f"{prefix}.a_lora")
+        if layer_id > 0:
+            self.v_lora = Rwkv7LoRA(c, config.v_low_rank_dim, True, quant_config, f"{prefix}.v_lora")
+        self.g_lora = Rwkv7LoRA(c, config.gate_low_rank_dim, False, quant_config, f"{prefix}.g_lora")
+        self.g_norm = nn.GroupNorm(self.num_heads, c, eps=self.group_norm_eps)
+
+    def forward(self, x, v_first, shift_state, wkv_state, batch: _Batch | None):
+        T = x.shape[0]
+        H, N = self.num_heads, self.head_dim
+        xx = _token_shift(x, shift_state, batch) - x
+        xr, xw, xk, xv, xa, xg = (
+            torch.addcmul(x, xx, m) for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g)
+        )
+        r, _ = self.r_proj(xr)
+        k, _ = self.k_proj(xk)
+        v, _ = self.v_proj(xv)
+        w = torch.exp(-_DECAY_SCALE * torch.sigmoid(self.w_lora(xw, torch.tanh).float()))
+        a = torch.sigmoid(self.a_lora(xa))
+        g = self.g_lora(xg, torch.sigmoid)
+        kk = F.normalize((k * self.k_k).view(T, H, N), dim=-1, p=2.0).view(T, -1)
+        k = k * (1 + (a - 1) * self.k_a)
+        if self.layer_id == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(self.v_lora(xv))
+        y = self._wkv(r, w, k, v, -kk, kk * a, wkv_state, batch).to(x.dtype)
+        y = self.g_norm(y)
+        y = y + ((r * k * self.r_k.view(-1)).view(T, H, N).sum(-1, keepdim=True) * v.view(T, H, N)).view(T, -1)
+        out, _ = self.o_proj(y * g)
+        return out, v_first
+
+    def _wkv(self, r, w, k, v, a, b, wkv_state, batch: _Batch | None) -> torch.Tensor:
+        T, H, N = r.shape[0], self.num_heads, self.head_dim
+        r, w, k, v, a, b = (t.view(T, H, N) for t in (r, w, k, v, a, b))
+        if batch is None:  # dummy/profiling run: one sequence, fresh state, nothing stored
+            state = torch.zeros(H, N, N, dtype=torch.float32, device=r.device)
+            return dispatch.op("rwkv7.wkv_chunk")(r, w, k, v, a, b, state).reshape(T, H * N)
+        y = torch.empty(T, H, N, dtype=torch.float32, device=r.device)
+        nd = batch.num_decodes
+        if nd:
+            slots = batch.slots[:nd]
+            state = wkv_state[slots]
+            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
+            wkv_state[slots] = state
+        for i in range(nd, len(batch.starts)):
+            s, e, slot = batch.starts[i], batch.ends[i], int(batch.slots[i])
+            state = wkv_state[slot].clone()
+            y[s:e] = dispatch.op("rwkv7.wkv_chunk")(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], state)
+            wkv_state[slot] = state
+        return y.reshape(T, H * N)
+
+
+class Rwkv7ChannelMix(nn.Module):
+    def __init__(self, config, quant_config, prefix: str):
+        super().__init__()
+        c, i = config.hidden_size, config.intermediate_size
+        self.x_k = nn.Parameter(torch.zeros(c), requires_grad=False)
+        self.key = ColumnParallelLinear(c, i, bias=False, quant_config=quant_config, prefix=f"{prefix}.key")
+        self.value = RowParallelLinear(i, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.value")
+
+    def forward(self, x, shift_state, batch: _Batch | None):
+        xk = torch.addcmul(x, _token_shift(x, shift_state, batch) - x, self.x_k)
+        h, _ = self.key(xk)
+        out, _ = self.value(torch.relu(h).square())
+        return out
+
+
+class Rwkv7Block(nn.Module, MambaBase):
+    """One RWKV-7 layer and its per-sequence state (a vLLM state layer)."""
+
+    def __init__(self, config, layer_id: int, model_dtype: torch.dtype, quant_config, prefix: str):
+        super().__init__()
+        c, eps = config.hidden_size, config.ln_eps if hasattr(config, "ln_eps") else config.norm_eps
+        self.config, self.layer_id, self.prefix, self.model_dtype = config, layer_id, prefix, model_dtype
+        if layer_id == 0:
+            self.pre_norm = nn.LayerNorm(c, eps=eps)
+        self.attn_norm = nn.LayerNorm(c, eps=eps)
+        self.ffn_norm = nn.LayerNorm(c, eps=eps)
+        self.attn = Rwkv7TimeMix(config, layer_id, quant_config, f"{prefix}.attn")
+        self.ffn = Rwkv7ChannelMix(config, quant_config, f"{prefix}.ffn")
+        self.kv_cache = ()
+        compilation_config = get_current_vllm_config().compilation_config
+        if prefix in compilation_config.static_forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        compilation_config.static_forward_context[prefix] = self
+
+    # --- vLLM state-layer interface
+    @property
+    def mamba_type(self) -> MambaAttentionBackendEnum:
+        return MambaAttentionBackendEnum.LINEAR
+
+    def get_state_shape(self):
+        return state_shapes(self.config)
+
+    def get_state_dtype(self):
+        return state_dtypes(self.model_dtype)
+
+    # ---
+    def _batch(self) -> _Batch | None:
+        md = get_forward_context().attn_metadata
+        if isinstance(md, dict):
+            md = md.get(self.prefix)
+        if md is None or not self.kv_cache:
+            return None
+        return _Batch.from_metadata(md)
+
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
+        batch = self._batch()
+        if batch is None:
+            att_shift = wkv_state = ffn_shift = None
+            n = x.shape[0]
+        else:
+            att_shift, wkv_state, ffn_shift = self.kv_cache
+            if bool(batch.fresh.any()):
+                fresh = batch.slots[batch.fresh]
+                att_shift[fresh] = 0
+                wkv_state[fresh] = 0
+                ffn_shift[fresh] = 0
+            n = batch.num_tokens
+        out = torch.zeros_like(x)
+        h = x[:n]
+        if self.layer_id == 0:
+            h = self.pre_norm(h)
+        vf = v_first[:n] if v_first is not None else None
+        a, vf = self.attn(self.attn_norm(h), vf, att_shift, wkv_state, batch)
+        h = h + a
+        h = h + self.ffn(self.ffn_norm(h), ffn_shift, batch)
+        out[:n] = h
+        if v_first is None:
+            v_first = torch.zeros_like(x)
+        v_first[:n] = vf
+        return out, v_first
+
+
+class Rwkv7Model(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        self.config = config
+        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embeddings")
+        dtype = vllm_config.model_config.dtype
+        self.layers = nn.ModuleList(
+            Rwkv7Block(config, i, dtype, quant_config, prefix=f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        )
+        eps = config.ln_eps if hasattr(config, "ln_eps") else config.norm_eps
+        self.norm = nn.LayerNorm(config.hidden_size, eps=eps)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embeddings(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+        v_first = None
+        for layer in self.layers:
+            x, v_first = layer(x, v_first)
+        return self.norm(x)
+
+
+class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    """vLLM model class for ``RWKV7ForCausalLM`` checkpoints in the HF/fla layout."""
+
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(vllm_config.model_config.hf_config)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        return state_dtypes(vllm_config.model_config.dtype)
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        validate_config(config, source=f"{vllm_config.model_config.model}/config.json")
+        self.config = config
+        self.vllm_config = vllm_config
+        self.model = Rwkv7Model(vllm_config=vllm_config, prefix=_join(prefix, "model"))
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_input_ids(input_ids)
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        self._check_checkpoint_shapes()
+        params = dict(self.named_parameters())
+        remapper = hf_remapper(targets=set(params))
+        loaded: set[str] = set()
+        for name, tensor in remapper.apply(weights):
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape) and name not in _VOCAB_PADDED:
+                raise Rwkv7ConfigError(
+                    f"checkpoint tensor for {name!r} has shape {list(tensor.shape)} but config.json implies "
+                    f"{list(param.shape)}"
+                )
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+            loaded.add(name)
+        report = remapper.finish(required=params)
+        if report.unused:
+            raise Rwkv7ConfigError(f"checkpoint has no tensor for parameter(s) {report.unused}")
+        return loaded
+
+    def _check_checkpoint_shapes(self) -> None:
+        """Compare safetensors headers with config.json before loading anything (local dirs only)."""
+        model_dir = Path(self.vllm_config.model_config.model)
+        files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
+        if not files or os.environ.get("ASCEND_ADAPTERS_RWKV7_SKIP_SHAPE_CHECK") == "1":
+            return
+        from safetensors import safe_open
+
+        shapes = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as st:
+                for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    shapes[key] = tuple(st.get_slice(key).get_shape())
+        check_shapes(self.config, shapes, source=str(model_dir))
+
+
+_VOCAB_PADDED = {"model.embeddings.weight", "lm_head.weight"}
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

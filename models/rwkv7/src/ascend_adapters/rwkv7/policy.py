@@ -1,0 +1,44 @@
+"""What this adapter refuses at engine configuration time, with a clear message.
+
+vLLM calls ``verify_and_update_config`` of ``MODELS_CONFIG_MAP[architecture]``
+while it builds its config (in the API/LLM process, before any worker starts).
+``Rwkv7EngineConfig`` extends vLLM's ``MambaModelConfig`` (which sizes the
+state-cache block) with the checks below.
+"""
+
+from __future__ import annotations
+
+from vllm.model_executor.models.config import MambaModelConfig
+
+
+class Rwkv7UnsupportedError(ValueError):
+    pass
+
+
+def unsupported_reasons(vllm_config) -> list[str]:
+    reasons = []
+    par = vllm_config.parallel_config
+    if par.tensor_parallel_size > 1:
+        reasons.append(
+            f"tensor parallelism (tensor_parallel_size={par.tensor_parallel_size}) is not supported by the RWKV-7 "
+            "adapter yet: serve with --tensor-parallel-size 1 (use data parallelism to scale out)"
+        )
+    if par.pipeline_parallel_size > 1:
+        reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size}) is not supported")
+    if vllm_config.speculative_config is not None:
+        reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
+    if vllm_config.cache_config.enable_prefix_caching:
+        reasons.append(
+            "prefix caching is not supported: RWKV-7 keeps one recurrent state per sequence and no per-block "
+            "checkpoints to reuse; drop --enable-prefix-caching"
+        )
+    return reasons
+
+
+class Rwkv7EngineConfig(MambaModelConfig):
+    @classmethod
+    def verify_and_update_config(cls, vllm_config) -> None:
+        reasons = unsupported_reasons(vllm_config)
+        if reasons:
+            raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
+        super().verify_and_update_config(vllm_config)
