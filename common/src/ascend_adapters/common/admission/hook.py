@@ -118,7 +118,9 @@ def admit_from_env() -> None:
         _fail(report.format())
         return
     _admitted = (digest, real)
-    if not quick:
+    if quick:
+        sys.stderr.write(f"ascend-adapters admission: re-checked structure in pid {os.getpid()}: OK\n")
+    else:
         os.environ[ADMITTED_ENV] = json.dumps({"manifest_sha256": digest, "model_dir": real, "full": True})
         sys.stderr.write(f"ascend-adapters admission: {report.summary_line()} (manifest {manifest_path})\n")
-        sys.stderr.flush()
+    sys.stderr.flush()
