@@ -68,7 +68,7 @@ def guard_param(
     """Wrap ``param.weight_loader`` with a dtype check (and optional conversion) naming the tensor."""
     inner = param.weight_loader
 
-    def loader(p, loaded_weight, *args, **kwargs):
+    def loader(param, loaded_weight, *args, **kwargs):
         if loaded_weight.dtype not in allowed:
             raise DescriptionError(
                 f"{name}{_shard_label(args, kwargs)}: checkpoint tensor has dtype {loaded_weight.dtype}, "
@@ -76,7 +76,7 @@ def guard_param(
             )
         if convert is not None:
             loaded_weight = convert(loaded_weight)
-        return inner(p, loaded_weight, *args, **kwargs)
+        return inner(param, loaded_weight, *args, **kwargs)
 
     param.weight_loader = loader
     return param

@@ -83,7 +83,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
         suffix = pname.split("_", 1)[1]  # weight / weight_scale / weight_offset
         gate, up, down = self.proj_names
 
-        def loader(p, loaded_weight, weight_name, *args, **kwargs):
+        def loader(param, loaded_weight, weight_name, *args, **kwargs):
             if loaded_weight.dtype not in allowed:
                 shard = kwargs.get("shard_id", args[0] if args else None)
                 expert = kwargs.get("expert_id", args[1] if len(args) > 1 else "?")
@@ -95,7 +95,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
                 )
             if loaded_weight.is_floating_point():
                 loaded_weight = loaded_weight.float()
-            return inner(p, loaded_weight, weight_name, *args, **kwargs)
+            return inner(param, loaded_weight, weight_name, *args, **kwargs)
 
         param.weight_loader = loader
 

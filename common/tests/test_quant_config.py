@@ -1,0 +1,412 @@
+"""ModelSlim description checks and the `modelslim` vLLM quant methods inside real vLLM layers.
+
+vLLM's parallel layers are built in this process (single-rank gloo group) and loaded through
+vLLM's own weight loaders, so fused q/k/v and gate/up shards, deq_scale encodings and the
+fused-MoE loader are exercised as in a served model.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("vllm")
+
+from ascend_adapters.common.quant.description import (  # noqa: E402
+    Description,
+    DescriptionError,
+    check_export,
+    weight_files,
+)
+
+# -- description ----------------------------------------------------------------------------------
+
+
+def test_metadata_keys_are_not_tensors():
+    d = Description.from_dict({
+        "model.layers.0.mlp.down_proj.weight": "W8A8_DYNAMIC",
+        "model.layers.0.mlp.down_proj.weight_scale": "W8A8_DYNAMIC",
+        "lm_head.weight": "FLOAT", "version": "1.0.0", "model_quant_type": "W8A8_DYNAMIC",
+        "metadata": {}, "group_size": 0, "optional": {},
+    })  # fmt: skip
+    assert set(d.types) == {
+        "model.layers.0.mlp.down_proj.weight",
+        "model.layers.0.mlp.down_proj.weight_scale",
+        "lm_head.weight",
+    }
+    assert d.model_quant_type == "W8A8_DYNAMIC"
+    assert d.layer_type("model.layers.0.mlp.down_proj") == "W8A8_DYNAMIC"
+    assert d.layer_type("model.layers.9.mtp.proj") == "FLOAT"  # missing layers are FLOAT
+
+
+@pytest.mark.parametrize(
+    "kind, words", [("W8A8_WHATEVER", "unknown quantization type"), ("W4A8_DYNAMIC", "does not support")]
+)
+def test_bad_type_strings_name_the_tensor(kind, words):
+    with pytest.raises(DescriptionError, match=rf"model\.layers\.3\.self_attn\.o_proj\.weight.*{words}"):
+        Description.from_dict({"model.layers.3.self_attn.o_proj.weight": kind})
+
+
+def test_quantized_kv_cache_is_refused():
+    with pytest.raises(DescriptionError, match="kv_cache_type"):
+        Description.from_dict({"kv_cache_type": "C8", "a.weight": "FLOAT"})
+
+
+def test_fused_shard_type_mismatch_names_the_tensors():
+    d = Description.from_dict(
+        {"l.q_proj.weight": "W8A8_DYNAMIC", "l.k_proj.weight": "W8A8_DYNAMIC", "l.v_proj.weight": "FLOAT"}
+    )
+    with pytest.raises(DescriptionError, match=r"'l\.qkv_proj'.*l\.v_proj\.weight=FLOAT"):
+        d.fused_type("l.qkv_proj", ["l.q_proj", "l.k_proj", "l.v_proj"])
+
+
+def _write_export(tmp_path, tensors: dict, desc: dict, name="quant_model_weights-00001-of-00001.safetensors"):
+    from safetensors.torch import save_file
+
+    save_file(tensors, str(tmp_path / name))
+    (tmp_path / "quant_model_description.json").write_text(json.dumps(desc))
+    return tmp_path
+
+
+def _dyn_layer(prefix, n=8, k=16):
+    return {
+        f"{prefix}.weight": torch.zeros(n, k, dtype=torch.int8),
+        f"{prefix}.weight_scale": torch.ones(n, 1),
+        f"{prefix}.weight_offset": torch.zeros(n, 1),
+    }
+
+
+def test_check_export_accepts_both_file_names(tmp_path):
+    t = _dyn_layer("m.l")
+    desc = {k: "W8A8_DYNAMIC" for k in t}
+    a = tmp_path / "a"
+    a.mkdir()
+    check_export(_write_export(a, t, desc))
+    b = tmp_path / "b"
+    b.mkdir()
+    _write_export(b, t, desc, name="quant_model_weight_w8a8.safetensors")
+    check_export(b)
+    assert [f.name for f in weight_files(b)] == ["quant_model_weight_w8a8.safetensors"]
+
+
+def test_missing_companion_is_a_startup_error_naming_it(tmp_path):
+    t = _dyn_layer("model.layers.0.mlp.up_proj")
+    del t["model.layers.0.mlp.up_proj.weight_scale"]
+    _write_export(tmp_path, t, {"model.layers.0.mlp.up_proj.weight": "W8A8_DYNAMIC"})
+    with pytest.raises(DescriptionError, match=r"model\.layers\.0\.mlp\.up_proj\.weight_scale: missing companion"):
+        check_export(tmp_path)
+
+
+def test_static_companions_and_undeclared_int8(tmp_path):
+    t = {"s.weight": torch.zeros(4, 8, dtype=torch.int8), "s.input_scale": torch.ones(1),
+         "s.input_offset": torch.zeros(1), "s.deq_scale": torch.ones(4, dtype=torch.int64),
+         "s.quant_bias": torch.zeros(4), "x.weight": torch.zeros(4, 8, dtype=torch.int8)}  # fmt: skip
+    _write_export(tmp_path, t, {"s.weight": "W8A8"})
+    with pytest.raises(DescriptionError) as err:
+        check_export(tmp_path)
+    msg = str(err.value)
+    assert "s.quant_bias: dtype F32 not allowed" in msg
+    assert "x.weight: int8 tensor not listed" in msg
+
+
+# -- real vLLM layers ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def vllm_env():
+    """Single-rank vLLM distributed state and a current VllmConfig for building layers in-process."""
+    import socket
+
+    import torch.distributed as dist
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    from ascend_adapters.common.quant import register
+
+    register()
+    cfg = VllmConfig()
+    with set_current_vllm_config(cfg):
+        if not dist.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+            )
+        if not model_parallel_is_initialized():
+            initialize_model_parallel(1, 1)
+        yield cfg
+
+
+def _config(types: dict, packed=None):
+    from ascend_adapters.common.quant.config import ModelSlimConfig
+
+    qc = ModelSlimConfig(Description.from_dict(types))
+    qc.packed_modules_mapping.update(packed or {})
+    return qc
+
+
+def _load(layer, name, tensor, shard=None):
+    param = getattr(layer, name)
+    if shard is None:
+        param.weight_loader(param, tensor)
+    else:
+        param.weight_loader(param, tensor, shard)
+
+
+def _finish(layer):
+    layer.quant_method.process_weights_after_loading(layer)
+
+
+def _qkv(qc, prefix="m.l.qkv_proj"):
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    return QKVParallelLinear(64, 32, 2, 1, bias=False, quant_config=qc, prefix=prefix, params_dtype=torch.float32)
+
+
+def test_fused_qkv_type_mismatch_fails_at_layer_build(vllm_env):
+    qc = _config(
+        {"m.l.q_proj.weight": "W8A8", "m.l.k_proj.weight": "W8A8", "m.l.v_proj.weight": "W8A8_DYNAMIC"},
+        {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+    )
+    with pytest.raises(DescriptionError, match=r"m\.l\.v_proj\.weight=W8A8_DYNAMIC"):
+        _qkv(qc)
+
+
+def test_dynamic_qkv_loads_shards_and_matches_reference(vllm_env):
+    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+
+    qc = _config(
+        {f"m.l.{p}.weight": "W8A8_DYNAMIC" for p in ("q_proj", "k_proj", "v_proj")},
+        {"qkv_proj": ["q_proj", "k_proj", "v_proj"]},
+    )
+    layer = _qkv(qc)
+    g = torch.Generator().manual_seed(0)
+    tensors, desc = {}, {}
+    for shard, n in (("q", 64), ("k", 32), ("v", 32)):
+        w = torch.randint(-127, 128, (n, 64), generator=g, dtype=torch.int8)
+        s = torch.rand(n, 1, generator=g) * 1e-2
+        _load(layer, "weight", w, shard)
+        _load(layer, "weight_scale", s, shard)
+        _load(layer, "weight_offset", torch.zeros(n, 1), shard)
+        tensors |= {f"{shard}.weight": w, f"{shard}.weight_scale": s}
+        desc[f"{shard}.weight"] = "W8A8_DYNAMIC"
+    _finish(layer)
+    x = torch.randn(5, 64, generator=g)
+    y = layer(x)[0]
+    ref = torch.cat([ReferenceLinear(tensors, desc, s)(x) for s in "qkv"], dim=-1)
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("deq_dtype", ["int64", "float32"])
+def test_static_gate_up_loads_both_deq_encodings(vllm_env, deq_dtype):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    from ascend_adapters.common.quant.linear import encode_deq_scale
+    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+
+    qc = _config(
+        {"m.mlp.gate_proj.weight": "W8A8", "m.mlp.up_proj.weight": "W8A8"}, {"gate_up_proj": ["gate_proj", "up_proj"]}
+    )
+    layer = MergedColumnParallelLinear(
+        48, [40, 40], bias=False, quant_config=qc, prefix="m.mlp.gate_up_proj", params_dtype=torch.float32
+    )
+    g = torch.Generator().manual_seed(1)
+    tensors, desc = {}, {}
+    for shard, name in ((0, "gate"), (1, "up")):
+        w = torch.randint(-127, 128, (40, 48), generator=g, dtype=torch.int8)
+        deq = torch.rand(40, generator=g) * 1e-4
+        t = {
+            "weight": w,
+            "input_scale": torch.tensor([0.03]),
+            "input_offset": torch.tensor([4.0]),
+            "deq_scale": encode_deq_scale(deq) if deq_dtype == "int64" else deq,
+            "quant_bias": torch.randint(-900, 900, (40,), generator=g, dtype=torch.int32),
+        }
+        for k, v in t.items():
+            _load(layer, k, v, shard)
+            tensors[f"{name}.{k}"] = v
+        desc[f"{name}.weight"] = "W8A8"
+    _finish(layer)
+    assert layer.deq_scale.dtype == torch.float32
+    x = torch.randn(6, 48, generator=g)
+    y = layer(x)[0]
+    ref = torch.cat([ReferenceLinear(tensors, desc, s)(x) for s in ("gate", "up")], dim=-1)
+    torch.testing.assert_close(y, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_static_fused_shards_with_different_input_scales_are_refused(vllm_env):
+    from vllm.model_executor.layers.linear import MergedColumnParallelLinear
+
+    qc = _config({"m.gate_proj.weight": "W8A8", "m.up_proj.weight": "W8A8"}, {"gate_up_proj": ["gate_proj", "up_proj"]})
+    layer = MergedColumnParallelLinear(
+        16, [8, 8], bias=False, quant_config=qc, prefix="m.gate_up_proj", params_dtype=torch.float32
+    )
+    for shard, sc in ((0, 0.1), (1, 0.2)):
+        _load(layer, "input_scale", torch.tensor([sc]), shard)
+        _load(layer, "input_offset", torch.tensor([0.0]), shard)
+    with pytest.raises(DescriptionError, match=r"m\.gate_up_proj\.input_scale: the fused shards have different"):
+        _finish(layer)
+
+
+def test_wrong_dtype_is_an_error_naming_the_tensor(vllm_env):
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    qc = _config({"m.o_proj.weight": "W8A8_DYNAMIC", "m.down_proj.weight": "FLOAT"})
+    layer = RowParallelLinear(16, 8, bias=False, quant_config=qc, prefix="m.o_proj", params_dtype=torch.float32)
+    with pytest.raises(
+        DescriptionError,
+        match=r"m\.o_proj\.weight: checkpoint tensor has dtype torch\.float32.*"
+        r"W8A8_DYNAMIC",
+    ):
+        _load(layer, "weight", torch.zeros(8, 16))
+    flt = RowParallelLinear(16, 8, bias=False, quant_config=qc, prefix="m.down_proj", params_dtype=torch.float32)
+    with pytest.raises(DescriptionError, match=r"m\.down_proj\.weight: .*torch\.int8.*FLOAT"):
+        _load(flt, "weight", torch.zeros(8, 16, dtype=torch.int8))
+
+
+def test_row_parallel_static_adds_quant_bias_on_rank0_only(vllm_env):
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    qc = _config({"m.o_proj.weight": "W8A8"})
+    layers = []
+    for rank in (0, 1):
+        layer = RowParallelLinear(16, 8, bias=False, quant_config=qc, prefix="m.o_proj", params_dtype=torch.float32)
+        for k, v in {
+            "weight": torch.ones(8, 16, dtype=torch.int8),
+            "input_scale": torch.tensor([1.0]),
+            "input_offset": torch.tensor([0.0]),
+            "deq_scale": torch.ones(8),
+            "quant_bias": torch.full((8,), 100, dtype=torch.int32),
+        }.items():
+            _load(layer, k, v)
+        layer.tp_rank = rank  # what a second tensor-parallel rank sees
+        _finish(layer)
+        layers.append(layer)
+    x = torch.zeros(1, 16)
+    assert layers[0](x)[0].tolist() == [[100.0] * 8]
+    assert layers[1](x)[0].tolist() == [[0.0] * 8]
+
+
+def test_lm_head_must_be_float(vllm_env):
+    from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead
+
+    with pytest.raises(DescriptionError, match=r"lm_head\.weight.*only FLOAT"):
+        ParallelLMHead(64, 16, quant_config=_config({"lm_head.weight": "W8A8_DYNAMIC"}), prefix="lm_head")
+
+
+# -- fused MoE ------------------------------------------------------------------------------------
+
+
+def _moe_layer(qc, e=8, h=64, i=32, top_k=2):
+    from vllm.config import get_current_vllm_config
+    from vllm.model_executor.layers.fused_moe import FusedMoEFactory
+
+    get_current_vllm_config().compilation_config.static_forward_context.pop("m.mlp.experts", None)
+    return FusedMoEFactory(
+        num_experts=e,
+        top_k=top_k,
+        hidden_size=h,
+        intermediate_size=i,
+        quant_config=qc,
+        prefix="m.mlp.experts",
+        params_dtype=torch.float32,
+    )
+
+
+def test_moe_experts_with_mixed_types_are_refused(vllm_env):
+    types = {
+        f"m.mlp.experts.{e}.{p}.weight": "W8A8_DYNAMIC" for e in range(8) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    types["m.mlp.experts.5.down_proj.weight"] = "FLOAT"
+    with pytest.raises(DescriptionError, match=r"experts of 'm\.mlp\.experts' have different quantization types"):
+        _moe_layer(_config(types))
+
+
+def test_moe_layer_loads_per_expert_checkpoint_and_matches_loop(vllm_env):
+    from ascend_adapters.common.quant.moe import ModelSlimW8A8DynamicMoEMethod
+    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
+
+    e, h, i = 8, 64, 32
+    types = {
+        f"m.mlp.experts.{x}.{p}.weight": "W8A8_DYNAMIC" for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    runner = _moe_layer(_config(types), e, h, i)
+    experts = runner.routed_experts
+    assert isinstance(experts.quant_method, ModelSlimW8A8DynamicMoEMethod)
+    g = torch.Generator().manual_seed(3)
+    ckpt, float_w = [], {}
+    for x in range(e):
+        for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+            q, s = quantize_weight_per_channel(torch.randn(*shape, generator=g) * 0.05)
+            ckpt += [
+                (f"{x}.{p}.weight", q),
+                (f"{x}.{p}.weight_scale", s),
+                (f"{x}.{p}.weight_offset", torch.zeros_like(s)),
+            ]
+            float_w[(x, p)] = (q, s)
+    loaded = set(experts.load_weights(ckpt))
+    assert {"w13_weight", "w2_weight", "w13_weight_scale", "w2_weight_scale"} <= loaded
+    experts.quant_method.process_weights_after_loading(experts)
+    t = 9
+    xs = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, 3, (t, 2), generator=g)  # experts 3..7 get no tokens
+    ids[:, 1] = (ids[:, 0] + 1) % 3
+    ids[4, 1] = -1  # a masked route
+    topk_w = torch.rand(t, 2, generator=g)
+    y = experts.forward_modular(xs, topk_w, ids.to(torch.int32))
+
+    def dyn(v, q, s):
+        sc = v.abs().amax(-1, keepdim=True) / 127.0
+        vq = torch.round(v / sc)
+        return (vq.double() @ q.double().t()) * (sc.double() * s.double().reshape(1, -1))
+
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    for tok in range(t):
+        for j in range(2):
+            x_id = int(ids[tok, j])
+            if x_id < 0:
+                continue
+            gate = dyn(xs[tok : tok + 1], *float_w[(x_id, "gate_proj")]).float()
+            up = dyn(xs[tok : tok + 1], *float_w[(x_id, "up_proj")]).float()
+            a = torch.nn.functional.silu(gate) * up
+            ref[tok] += dyn(a, *float_w[(x_id, "down_proj")])[0] * float(topk_w[tok, j])
+    assert (y.double() - ref).abs().max() <= 2e-3 * ref.abs().max()
+
+
+def test_moe_float_expert_weight_is_refused(vllm_env):
+    types = {
+        f"m.mlp.experts.{x}.{p}.weight": "W8A8_DYNAMIC" for x in range(8) for p in ("gate_proj", "up_proj", "down_proj")
+    }
+    experts = _moe_layer(_config(types)).routed_experts
+    with pytest.raises(DescriptionError, match=r"m\.mlp\.experts\.2\.up_proj\.weight: .*torch\.float32"):
+        list(experts.load_weights([("2.up_proj.weight", torch.zeros(32, 64))]))
+
+
+# -- auto-selection -------------------------------------------------------------------------------
+
+
+def test_autoselect_marker_only_for_modelslim_dirs(tmp_path, monkeypatch):
+    from ascend_adapters.common.quant.detect import AUTO_ENV, modelslim_marker
+
+    assert modelslim_marker(tmp_path, {}) is None
+    (tmp_path / "quant_model_description.json").write_text("{}")
+    assert modelslim_marker(tmp_path, {})["quant_method"] == "modelslim"
+    assert modelslim_marker(tmp_path, {"quantization_config": {"quant_method": "fp8"}}) is None
+    assert modelslim_marker("org/some-hub-name", {}) is None
+    monkeypatch.setenv(AUTO_ENV, "0")
+    assert modelslim_marker(tmp_path, {}) is None
+
+
+def test_from_config_accepts_description_and_marker(tmp_path):
+    from ascend_adapters.common.quant.config import ModelSlimConfig
+
+    cfg = ModelSlimConfig.from_config({"a.b.weight": "W8A8_DYNAMIC", "version": "1.0.0"})
+    assert cfg.description.layer_type("a.b") == "W8A8_DYNAMIC"
+    marker = ModelSlimConfig.from_config({"quant_method": "modelslim", "model_dir": str(tmp_path)})
+    assert marker.description is None
+    with pytest.raises(DescriptionError, match="quant_model_description.json"):
+        marker.maybe_update_config(str(tmp_path))

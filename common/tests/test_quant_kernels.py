@@ -1,0 +1,263 @@
+"""ModelSlim W8A8 portable kernels against the documented equations (REFERENCE §2).
+
+The integer accumulator must agree exactly; the float output is compared with the
+equation evaluated independently in float64.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ascend_adapters.common import dispatch  # noqa: E402
+from ascend_adapters.common.quant.kernels import OPS  # noqa: E402
+from ascend_adapters.common.quant.kernels import portable as pk  # noqa: E402
+from ascend_adapters.common.quant.linear import decode_deq_scale, encode_deq_scale  # noqa: E402
+
+
+def _gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _int8(shape, g):
+    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+
+
+def _exact_acc(xq, w):
+    return xq.to(torch.int64) @ w.to(torch.int64).t()
+
+
+@pytest.fixture(params=["int_mm", "fallback"])
+def matmul_path(request, monkeypatch):
+    if request.param == "fallback":
+        monkeypatch.setattr(pk, "_INT_MM_OK", False)
+    elif not pk._int_mm_available():
+        pytest.skip("torch._int_mm not available on this CPU build")
+    return request.param
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 32), (7, 128, 48), (33, 300, 17), (128, 1024, 64)])
+def test_int8_matmul_is_exact(shape, matmul_path):
+    t, k, n = shape
+    g = _gen(t * 31 + k)
+    xq, w = _int8((t, k), g), _int8((n, k), g)
+    acc = pk.int8_matmul(xq, w)
+    assert acc.dtype == torch.int32
+    assert torch.equal(acc.to(torch.int64), _exact_acc(xq, w))
+
+
+def test_int8_matmul_extremes_do_not_overflow(matmul_path):
+    k = 4096  # |acc| up to 4096 * 128 * 128 = 2**26: exact in int32, not in float32
+    xq = torch.full((3, k), -128, dtype=torch.int8)
+    w = torch.full((5, k), -128, dtype=torch.int8)
+    w[1] = 127
+    acc = pk.int8_matmul(xq, w)
+    assert torch.equal(acc.to(torch.int64), _exact_acc(xq, w))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_dynamic_linear_matches_equation(dtype, with_bias, matmul_path):
+    g = _gen(1)
+    t, k, n = 19, 256, 40
+    x = (torch.randn(t, k, generator=g) * 3).to(dtype)
+    w = _int8((n, k), g)
+    wscale = torch.rand(n, generator=g) * 0.01 + 1e-4
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    y = dispatch.op("modelslim.w8a8_dynamic_linear")(x, w, wscale, bias)
+    assert y.dtype == dtype and y.shape == (t, n)
+    # The equation, written out: s = max|x| / 127 per token, xq = round(x / s).
+    xf = x.float()
+    s = xf.abs().amax(-1, keepdim=True) / 127.0
+    xq = torch.round(xf / s).to(torch.int8)
+    q, s_k = pk.quantize_per_token(x)
+    assert torch.equal(q, xq) and torch.equal(s_k, s)
+    acc = _exact_acc(xq, w)
+    assert torch.equal(pk.int8_matmul(q, w).to(torch.int64), acc)
+    ref = acc.to(torch.float64) * s.double() * wscale.double()
+    if bias is not None:
+        ref = ref + bias.double()
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.double(), ref.to(dtype).double(), rtol=tol, atol=tol * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("offset", [0.0, 6.0, -3.0])
+def test_static_linear_matches_equation(offset, matmul_path):
+    g = _gen(2)
+    t, k, n = 11, 192, 24
+    x = torch.randn(t, k, generator=g) * 2
+    x[0, 0] = 1e6  # clamps high
+    x[1, 1] = -1e6  # clamps low
+    w = _int8((n, k), g)
+    iscale = torch.tensor([0.02])
+    ioff = torch.tensor([offset])
+    deq = torch.rand(n, generator=g) * 1e-4 + 1e-6
+    qbias = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
+    y = dispatch.op("modelslim.w8a8_static_linear")(x, w, iscale, ioff, deq, qbias)
+    xq = torch.clamp(torch.round(x / 0.02 + offset), -128, 127)
+    assert torch.equal(pk.quantize_per_tensor(x, iscale, ioff).to(torch.float32), xq)
+    acc = xq.to(torch.int64) @ w.to(torch.int64).t() + qbias.to(torch.int64)
+    ref = acc.double() * deq.double()
+    torch.testing.assert_close(y.double(), ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+    # Row-parallel rank > 0 does not add quant_bias.
+    y0 = dispatch.op("modelslim.w8a8_static_linear")(x, w, iscale, ioff, deq, None)
+    ref0 = (acc - qbias.to(torch.int64)).double() * deq.double()
+    torch.testing.assert_close(y0.double(), ref0, rtol=1e-6, atol=1e-6 * ref0.abs().max().item())
+
+
+def test_static_exporter_identity_reproduces_float_linear():
+    """quant_bias = round(bias / deq - W.sum(1) * offset) makes the static path approximate x @ Wf.T + bias."""
+    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel, static_activation_params
+
+    g = _gen(3)
+    k, n = 256, 32
+    wf = torch.randn(n, k, generator=g) * 0.05
+    bias = torch.randn(n, generator=g) * 0.1
+    x = torch.rand(9, k, generator=g) * 3 - 0.5  # asymmetric range -> non-zero offset
+    q, wscale = quantize_weight_per_channel(wf)
+    iscale, ioff = static_activation_params(float(x.min()), float(x.max()))
+    assert ioff != 0
+    deq = iscale * wscale.reshape(-1)
+    qbias = torch.round(bias / deq - q.double().sum(1).float() * ioff).to(torch.int32)
+    y = pk.w8a8_static_linear(x, q, torch.tensor([iscale]), torch.tensor([ioff]), deq, qbias)
+    ref = x @ wf.t() + bias
+    assert (y - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_zero_row_gives_bias_never_nan():
+    g = _gen(4)
+    k, n = 64, 16
+    x = torch.randn(4, k, generator=g)
+    x[2] = 0
+    w = _int8((n, k), g)
+    wscale = torch.rand(n, generator=g) * 0.01
+    bias = torch.randn(n, generator=g)
+    y = pk.w8a8_dynamic_linear(x, w, wscale, bias)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[2], bias)
+    y_nb = pk.w8a8_dynamic_linear(torch.zeros(3, k), w, wscale, None)
+    assert torch.equal(y_nb, torch.zeros(3, n))
+    # Static: x = 0 quantizes to the offset; the folded quant_bias then gives back the float bias.
+    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
+
+    q, ws = quantize_weight_per_channel(torch.randn(n, k, generator=g) * 0.05)
+    iscale, ioff = 0.01, 5.0
+    deq = iscale * ws.reshape(-1)
+    qbias = torch.round(bias / deq - q.double().sum(1).float() * ioff).to(torch.int32)
+    ys = pk.w8a8_static_linear(torch.zeros(1, k), q, torch.tensor([iscale]), torch.tensor([ioff]), deq, qbias)
+    assert torch.isfinite(ys).all()
+    assert (ys[0] - bias).abs().max() <= deq.max() * 0.5 + 1e-6
+
+
+def test_deq_scale_bit_pattern_decoding():
+    g = _gen(5)
+    vals = torch.cat([torch.rand(64, generator=g) * 1e-3, torch.tensor([1.0, -2.5, 3.0e-38, 0.0])])
+    enc = encode_deq_scale(vals)
+    assert enc.dtype == torch.int64 and (enc >= 0).all() and (enc < 2**32).all()
+    # Independent decoding of each int64 with struct: low 32 bits are an IEEE-754 float32.
+    for v, e in zip(vals.tolist(), enc.tolist()):
+        assert struct.unpack("<f", struct.pack("<I", e & 0xFFFFFFFF))[0] == pytest.approx(v, rel=0, abs=0)
+    assert torch.equal(decode_deq_scale(enc), vals)
+    # A value msmodelslim wrote for a float32 tiny Llama (down_proj, channel 0).
+    assert decode_deq_scale(torch.tensor([936274914], dtype=torch.int64)).item() == pytest.approx(
+        struct.unpack("<f", struct.pack("<I", 936274914))[0]
+    )
+    # Sign-extended encodings (negative int64 with the same low 32 bits) decode the same.
+    neg = enc[-3:] - 2**32
+    assert torch.equal(decode_deq_scale(neg), vals[-3:])
+    # float32 deq_scale passes through.
+    assert torch.equal(decode_deq_scale(vals), vals)
+
+
+# -- MoE ------------------------------------------------------------------------------------------
+def _moe_weights(g, e, h, i):
+    w13 = _int8((e, 2 * i, h), g)
+    w2 = _int8((e, h, i), g)
+    s13 = torch.rand(e, 2 * i, generator=g) * 2e-3 + 1e-4
+    s2 = torch.rand(e, h, generator=g) * 2e-3 + 1e-4
+    return w13, s13, w2, s2
+
+
+def _loop_reference(x, w13, s13, w2, s2, topk_w, topk_ids, expert_map=None, on_input=False):
+    """Token by token, route by route, written from the equations (float64 accumulators)."""
+
+    def dyn(v, w, s):  # one token row
+        sc = v.abs().max() / 127.0
+        q = torch.round(v / sc) if sc > 0 else torch.zeros_like(v)
+        return (q.double() @ w.double().t()) * (sc.double() * s.double())
+
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    for t in range(x.shape[0]):
+        for j in range(topk_ids.shape[1]):
+            gid = int(topk_ids[t, j])
+            if gid < 0:
+                continue
+            e = gid if expert_map is None else int(expert_map[gid])
+            if e < 0 or e >= w13.shape[0]:
+                continue
+            wt = float(topk_w[t, j])
+            v = x[t].float() * wt if on_input else x[t].float()
+            hdn = dyn(v, w13[e], s13[e]).float()
+            gate, up = hdn.chunk(2)
+            a = torch.nn.functional.silu(gate) * up
+            o = dyn(a, w2[e], s2[e])
+            out[t] += o if on_input else o * wt
+    return out
+
+
+def _assert_moe_close(y, ref):
+    scale = ref.abs().max().item() + 1e-12
+    assert (y.double() - ref).abs().max().item() <= 2e-3 * scale, (y.double() - ref).abs().max().item()
+
+
+def test_moe_matches_per_expert_loop_with_zero_token_experts():
+    g = _gen(6)
+    e, h, i, t, k = 8, 64, 32, 13, 2
+    w13, s13, w2, s2 = _moe_weights(g, e, h, i)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, 4, (t, k), generator=g)  # experts 4..7 receive no tokens
+    ids[:, 1] = (ids[:, 0] + 1) % 4
+    topk_w = torch.rand(t, k, generator=g)
+    y = dispatch.op("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids)
+    assert torch.bincount(ids.reshape(-1), minlength=e)[4:].sum() == 0
+    _assert_moe_close(y, _loop_reference(x, w13, s13, w2, s2, topk_w, ids))
+
+
+def test_moe_expert_map_non_local_and_negative_routes():
+    g = _gen(7)
+    e_global, e_local, h, i, t, k = 8, 4, 64, 32, 17, 3
+    w13, s13, w2, s2 = _moe_weights(g, e_local, h, i)
+    # This rank holds global experts 4..7 as local 0..3 (EP rank 1 of 2).
+    expert_map = torch.full((e_global,), -1, dtype=torch.int32)
+    expert_map[4:] = torch.arange(4, dtype=torch.int32)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, e_global, (t, k), generator=g)
+    ids[0] = torch.tensor([0, 1, 2])  # all routes non-local: row must be exactly zero
+    ids[1, 0] = -1  # masked route
+    ids[2] = torch.tensor([-1, -1, 5])
+    topk_w = torch.rand(t, k, generator=g)
+    y = pk.w8a8_dynamic_moe(x, w13, s13, w2, s2, topk_w, ids, expert_map=expert_map)
+    assert torch.isfinite(y).all()
+    assert torch.equal(y[0], torch.zeros(h))
+    _assert_moe_close(y, _loop_reference(x, w13, s13, w2, s2, topk_w, ids, expert_map))
+
+
+def test_moe_router_weight_on_input_and_empty_batch():
+    g = _gen(8)
+    w13, s13, w2, s2 = _moe_weights(g, 4, 64, 32)
+    x = torch.randn(5, 64, generator=g)
+    ids = torch.randint(0, 4, (5, 1), generator=g)
+    topk_w = torch.rand(5, 1, generator=g)
+    y = pk.w8a8_dynamic_moe(x, w13, s13, w2, s2, topk_w, ids, apply_router_weight_on_input=True)
+    _assert_moe_close(y, _loop_reference(x, w13, s13, w2, s2, topk_w, ids, on_input=True))
+    empty = pk.w8a8_dynamic_moe(x[:0], w13, s13, w2, s2, topk_w[:0], ids[:0])
+    assert empty.shape == (0, 64)
+
+
+def test_kernel_ops_have_portable_and_npu_implementations():
+    ops = dispatch.registered_ops()
+    for name in OPS:
+        assert ops[name] == {"portable": True, "npu": True}, name
