@@ -221,3 +221,29 @@ def check_shapes(cfg, actual: dict[str, tuple[int, ...]], source: str) -> None:
             f"num_hidden_layers={cfg.num_hidden_layers}, head_dim={cfg.head_dim}, vocab_size={cfg.vocab_size}, "
             f"intermediate_size={cfg.intermediate_size}):\n  " + "\n  ".join(shown)
         )
+
+
+def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:
+    """Tensor shapes of every ``*.safetensors`` in a local directory, read from the headers only."""
+    import json
+    import struct
+    from pathlib import Path
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for f in sorted(Path(model_dir).glob("*.safetensors")):
+        with open(f, "rb") as fh:
+            (n,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(n))
+        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+    return shapes
+
+
+def check_checkpoint_dir(cfg, model_dir) -> None:
+    """Validate config.json and compare it with the safetensors headers of a local checkpoint directory."""
+    from pathlib import Path
+
+    validate_config(cfg, source=f"{model_dir}/config.json")
+    if Path(model_dir).is_dir():
+        shapes = checkpoint_shapes(model_dir)
+        if shapes:
+            check_shapes(cfg, shapes, source=str(model_dir))

@@ -19,10 +19,8 @@ prompt is continued by chunked prefill).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +37,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.rwkv7 import wkv  # noqa: F401  (registers the kernel ops)
-from ascend_adapters.rwkv7.config import Rwkv7ConfigError, check_shapes, validate_config
+from ascend_adapters.rwkv7.config import Rwkv7ConfigError, check_checkpoint_dir, validate_config
 from ascend_adapters.rwkv7.remap import hf_remapper
 
 # exp(-0.5): RWKV-7's decay is w = exp(-exp(-0.5) * sigmoid(.)), so log w >= -0.6065 per token
@@ -346,18 +344,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     def _check_checkpoint_shapes(self) -> None:
         """Compare safetensors headers with config.json before loading anything (local dirs only)."""
-        model_dir = Path(self.vllm_config.model_config.model)
-        files = sorted(model_dir.glob("*.safetensors")) if model_dir.is_dir() else []
-        if not files or os.environ.get("ASCEND_ADAPTERS_RWKV7_SKIP_SHAPE_CHECK") == "1":
-            return
-        from safetensors import safe_open
-
-        shapes = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as st:
-                for key in st.keys():  # noqa: SIM118 (safe_open has no __iter__)
-                    shapes[key] = tuple(st.get_slice(key).get_shape())
-        check_shapes(self.config, shapes, source=str(model_dir))
+        check_checkpoint_dir(self.config, self.vllm_config.model_config.model)
 
 
 _VOCAB_PADDED = {"model.embeddings.weight", "lm_head.weight"}

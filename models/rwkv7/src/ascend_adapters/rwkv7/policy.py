@@ -3,7 +3,8 @@
 vLLM calls ``verify_and_update_config`` of ``MODELS_CONFIG_MAP[architecture]``
 while it builds its config (in the API/LLM process, before any worker starts).
 ``Rwkv7EngineConfig`` extends vLLM's ``MambaModelConfig`` (which sizes the
-state-cache block) with the checks below.
+state-cache block) with the checks below, and checks config.json against the safetensors
+headers of a local checkpoint (a mismatch names the tensor).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ def unsupported_reasons(vllm_config) -> list[str]:
 class Rwkv7EngineConfig(MambaModelConfig):
     @classmethod
     def verify_and_update_config(cls, vllm_config) -> None:
+        from ascend_adapters.rwkv7.config import check_checkpoint_dir
+
+        # config.json and weight shapes, before any engine process starts
+        check_checkpoint_dir(vllm_config.model_config.hf_config, vllm_config.model_config.model)
         reasons = unsupported_reasons(vllm_config)
         if reasons:
             raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))

@@ -1,0 +1,132 @@
+"""`vllm serve` on a converted tiny RWKV-7 (World tokenizer, no --trust-remote-code),
+and what the adapter refuses, each with a clear message."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ascend_adapters.common.server import VllmServer
+from ascend_adapters.rwkv7.rwkv_ref import rwkv_package_logits
+from ascend_adapters.rwkv7.tiny import make_tiny
+from ascend_adapters.rwkv7.tokenizer import VOCAB_FILE
+
+TEXT = "Hello! 你好，世界。Привет, мир! こんにちは 🙂"
+HERE = Path(__file__).parent
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rwkv7-serve")
+    pth = root / "tiny.pth"
+    return pth, make_tiny(root / "tiny-rwkv7", pth=pth)
+
+
+@pytest.fixture(scope="module")
+def served(tiny):
+    """One server for the module; returns what the requests gave."""
+    pth, model_dir = tiny
+    out = {}
+    with VllmServer(model_dir) as srv:
+        out["cmd"] = srv.cmd
+        status, tok = srv.request("/tokenize", {"model": srv.model_name, "prompt": TEXT})
+        out["tokenize"] = (status, tok)
+        ids = tok["tokens"] if status == 200 else [1, 2, 3]
+        out["completion_ids"] = srv.complete(ids, max_tokens=6, return_token_ids=True)
+        out["completion_text"] = srv.complete(TEXT, max_tokens=6)
+        out["chat"] = srv.chat([{"role": "user", "content": "Hi there"}], max_tokens=6)
+        out["log"] = srv.log_text()
+    out["prompt_ids"] = ids
+    return out
+
+
+@pytest.mark.vllm
+def test_served_tokenizer_ids_match_rwkv_package(served):
+    import rwkv
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+
+    status, body = served["tokenize"]
+    assert status == 200, body
+    ref = TRIE_TOKENIZER(os.path.join(os.path.dirname(rwkv.__file__), VOCAB_FILE))
+    assert body["tokens"] == ref.encode(TEXT)
+
+
+@pytest.mark.vllm
+def test_served_greedy_tokens_match_rwkv_package(served, tiny):
+    pth, _ = tiny
+    choice = served["completion_ids"]["choices"][0]
+    gen = choice["token_ids"]
+    assert len(gen) == 6
+    ids = served["prompt_ids"]
+    ref = rwkv_package_logits(pth, [ids + gen[:-1]])[0]
+    assert ref[len(ids) - 1 :].argmax(-1).tolist() == gen
+
+
+@pytest.mark.vllm
+def test_text_and_chat_endpoints(served):
+    assert isinstance(served["completion_text"]["choices"][0]["text"], str)
+    assert served["completion_text"]["usage"]["completion_tokens"] == 6
+    assert served["chat"]["choices"][0]["message"]["content"] is not None
+    assert "--trust-remote-code" not in served["cmd"]
+    assert "RWKV7ForCausalLM" in served["log"]
+
+
+def _engine_configs(cases, tmp_path):
+    spec, out = tmp_path / "cases.json", tmp_path / "out.json"
+    spec.write_text(json.dumps(cases))
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_rwkv7_engine_config.py"), str(spec), str(out)],
+        env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.vllm
+def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
+    _, good = tiny
+
+    def variant(name, **changes):
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        cfg = json.loads((d / "config.json").read_text())
+        cfg.update(changes)
+        (d / "config.json").write_text(json.dumps(cfg))
+        return str(d)
+
+    cases = [
+        ["ok", str(good), {}],
+        ["tp2", str(good), {"tensor_parallel_size": 2}],
+        ["prefix_caching", str(good), {"enable_prefix_caching": True}],
+        [
+            "speculative",
+            str(good),
+            {
+                "speculative_config": {
+                    "method": "ngram",
+                    "num_speculative_tokens": 2,
+                    "prompt_lookup_max": 3,
+                    "prompt_lookup_min": 1,
+                }
+            },
+        ],
+        ["config_vs_weights", variant("wrong_ffn", intermediate_size=512), {}],
+        ["head_size", variant("wrong_head", head_dim=16, num_heads=4), {}],
+    ]
+    got = _engine_configs(cases, tmp_path)
+    assert got["ok"] == "OK"
+    assert "tensor parallelism (tensor_parallel_size=2) is not supported" in got["tp2"]
+    assert "prefix caching is not supported" in got["prefix_caching"]
+    assert "speculative decoding is not supported" in got["speculative"]
+    assert "checkpoint and config.json disagree" in got["config_vs_weights"]
+    assert "'model.layers.0.ffn.key.weight' has shape [256, 64], config implies [512, 64]" in got["config_vs_weights"]
+    assert "head_dim 16 is not supported" in got["head_size"]
