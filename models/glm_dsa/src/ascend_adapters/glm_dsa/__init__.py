@@ -25,3 +25,6 @@ def register() -> None:
     from ascend_adapters.common.registry import register_architectures
 
     register_architectures(ARCHITECTURES)
+    from ascend_adapters.glm_dsa.arch import install
+
+    install()

@@ -19,7 +19,9 @@ Environment:
 from __future__ import annotations
 
 import enum
+import json
 import os
+from pathlib import Path
 
 SPARSE_ENV = "ASCEND_ADAPTERS_GLM_DSA_SPARSE"
 DISABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA_DISABLE"
@@ -55,6 +57,32 @@ def require_field(hf_config, name: str):
             else f"config.json of this GlmMoeDsaForCausalLM checkpoint has no {name!r}"
         )
     return value
+
+
+def raw_config_dict(model: str, revision: str | None = None) -> dict | None:
+    """config.json as written (before transformers fills in class defaults), or None if unreadable."""
+    path = Path(model) / "config.json"
+    try:
+        if path.is_file():
+            return json.loads(path.read_text())
+        from transformers import PretrainedConfig
+
+        return PretrainedConfig.get_config_dict(model, revision=revision)[0]
+    except Exception:  # hub ids offline etc.: fall back to the parsed config
+        return None
+
+
+def check_raw_config(raw: dict | None) -> None:
+    """Fields whose transformers default would silently change the model must be in config.json."""
+    if raw is None:
+        return
+    cfg = raw.get("text_config", raw)
+    if cfg.get("index_topk") is None:
+        raise GlmDsaConfigError(
+            "config.json of this GlmMoeDsaForCausalLM checkpoint has no 'index_topk': the DSA top-k size "
+            "decides which tokens every query attends to, and a library default (2048) would silently "
+            "change the model. Add the value the checkpoint was trained with."
+        )
 
 
 def choose_attention_mode(hf_config, max_model_len: int) -> AttentionMode:

@@ -42,7 +42,14 @@ from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
 from ascend_adapters.common import dispatch, remap
 from ascend_adapters.glm_dsa import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
-from ascend_adapters.glm_dsa.config import AttentionMode, GlmDsaConfigError, choose_attention_mode, require_field
+from ascend_adapters.glm_dsa.config import (
+    AttentionMode,
+    GlmDsaConfigError,
+    check_raw_config,
+    choose_attention_mode,
+    raw_config_dict,
+    require_field,
+)
 from ascend_adapters.glm_dsa.remap import glm_dsa_rules
 
 logger = logging.getLogger("ascend_adapters")
@@ -409,6 +416,8 @@ class GlmDsaModel(nn.Module):
         if get_pp_group().world_size > 1:
             raise GlmDsaConfigError("pipeline parallelism is not supported by the GLM-DSA adapter")
         self.config = config
+        mc = vllm_config.model_config
+        check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
         self.mode = choose_attention_mode(config, vllm_config.model_config.max_model_len)
         logger.info(
             "GLM-DSA attention path: %s (max_model_len=%d, index_topk=%s)",

@@ -1,0 +1,120 @@
+"""Helpers for the GLM-DSA tests: tiny checkpoints in the released naming and the transformers reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ascend_adapters.glm_dsa.tiny import make_tiny
+
+
+def add_released_extras(ckpt: Path, seed: int = 7) -> list[str]:
+    """Add what released GLM-5.x exports carry beyond the transformers model: the top-level
+    MTP-only ``rot.weight`` and one MTP layer after the main stack (``num_nextn_predict_layers``)."""
+    from safetensors.torch import load_file, save_file
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
+    g = torch.Generator().manual_seed(seed)
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    mtp = f"model.layers.{n}."
+    extras = {
+        "rot.weight": torch.randn(h, h, generator=g),
+        mtp + "enorm.weight": torch.ones(h),
+        mtp + "hnorm.weight": torch.ones(h),
+        mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g),
+        mtp + "shared_head.norm.weight": torch.ones(h),
+        mtp + "self_attn.q_a_proj.weight": torch.randn(cfg["q_lora_rank"], h, generator=g),
+        mtp + "mlp.experts.0.gate_proj.weight": torch.randn(cfg["moe_intermediate_size"], h, generator=g),
+    }
+    tensors.update(extras)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return sorted(extras)
+
+
+def add_tensor(ckpt: Path, name: str, shape=(4, 4)) -> None:
+    from safetensors.torch import load_file, save_file
+
+    path = ckpt / "model.safetensors"
+    tensors = load_file(str(path))
+    tensors[name] = torch.zeros(*shape)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+
+
+def build(tmp: Path, name: str, **overrides) -> Path:
+    out = make_tiny(tmp / name, **overrides)
+    add_released_extras(out)
+    return out
+
+
+class Reference:
+    """transformers' own GlmMoeDsaForCausalLM on the same checkpoint (float32, eager)."""
+
+    def __init__(self, ckpt: Path, **config_overrides):
+        from transformers import GlmMoeDsaForCausalLM
+
+        self.model = GlmMoeDsaForCausalLM.from_pretrained(
+            str(ckpt), dtype=torch.float32, attn_implementation="eager", **config_overrides
+        ).eval()
+
+    def __call__(self, ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return self.model(torch.tensor([ids])).logits[0]
+
+    def topk_boundary_gap(self, ids: list[int]) -> float:
+        """Smallest gap between the k-th and (k+1)-th indexer score over all queries and full layers
+        that have more than index_topk causal keys (REFERENCE §8: a reference is only meaningful
+        without ties)."""
+        captured = []
+        hooks = []
+        for layer in self.model.model.layers:
+            idx = layer.self_attn.indexer
+            if idx is None:
+                continue
+            hooks.append(
+                idx.register_forward_hook(
+                    lambda mod, args, kwargs, out: captured.append((mod, args, kwargs)), with_kwargs=True
+                )
+            )
+        try:
+            self(ids)
+        finally:
+            for h in hooks:
+                h.remove()
+        gap = float("inf")
+        for mod, args, kwargs in captured:
+            with torch.no_grad():
+                scores = _index_scores(mod, *args, **kwargs)  # [S, T]
+            k = mod.index_topk
+            for s in range(scores.shape[0]):
+                if s + 1 <= k:
+                    continue
+                top = scores[s, : s + 1].topk(k + 1).values
+                gap = min(gap, float(top[k - 1] - top[k]))
+        return gap
+
+
+def _index_scores(mod, hidden_states, q_resid, position_embeddings, attention_mask, position_ids, past_key_values=None):
+    """The indexer's pre-top-k scores, following transformers' GlmMoeDsaIndexer.forward."""
+    from transformers.models.glm_moe_dsa.modeling_glm_moe_dsa import apply_rotary_pos_emb_interleave
+
+    b, s, _ = hidden_states.shape
+    cos, sin = position_embeddings
+    q = mod.wq_b(q_resid).view(b, s, mod.n_heads, mod.head_dim)
+    q_rot, q_pass = torch.split(q, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+    k = mod.k_norm(mod.wk(hidden_states)).unsqueeze(2)
+    k_rot, k_pass = torch.split(k, [mod.qk_rope_head_dim, mod.head_dim - mod.qk_rope_head_dim], dim=-1)
+    q_rot, k_rot = apply_rotary_pos_emb_interleave(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+    q = torch.cat([q_rot, q_pass], dim=-1)
+    k = torch.cat([k_rot, k_pass], dim=-1).squeeze(2)
+    scores = torch.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * mod.softmax_scale)
+    weights = mod.weights_proj(hidden_states).float() * (mod.n_heads**-0.5)
+    return torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)[0]
+
+
+def random_prompts(lengths, seed: int = 1, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
