@@ -9,7 +9,6 @@ chosen automatically), also chunked and batched.
 from __future__ import annotations
 
 import pytest
-import torch
 from _glm_dsa_ref import Reference, build, random_prompts
 
 from ascend_adapters.common.testing.evidence import EvidenceRecord
