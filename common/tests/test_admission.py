@@ -468,12 +468,14 @@ def test_description_version_and_types(artifact):
     desc["model_quant_type"] = "W4A8_DYNAMIC"
     desc["model.norm.weight"] = "W4A16"
     desc["mystery"] = {"a": 1}
+    desc["kv_cache_type"] = "C8"
     _write_desc(d, desc)
     r = check_dir(d, m, progress=False)
     assert_refused(r, "ms-version", "version")
     assert_refused(r, "ms-model-quant-type", "model_quant_type")
     assert_refused(r, "ms-type", "model.norm.weight")
     assert_refused(r, "ms-description-key", "mystery")
+    assert_refused(r, "ms-feature", "kv_cache_type")
     assert_refused(r, "ms-summary", "type_counts")
 
 

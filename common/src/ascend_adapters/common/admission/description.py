@@ -26,7 +26,8 @@ from ascend_adapters.common.admission.safetensors_header import FLOAT_DTYPES, Te
 
 DESCRIPTION_FILE = "quant_model_description.json"
 KNOWN_VERSIONS = frozenset({"1.0.0"})
-SUPPORTED_MODEL_QUANT_TYPES = frozenset({"W8A8", "W8A8_DYNAMIC"})
+# W8A8_MIX: per-layer mix of the supported types (each tensor's own type is what is checked).
+SUPPORTED_MODEL_QUANT_TYPES = frozenset({"W8A8", "W8A8_DYNAMIC", "W8A8_MIX"})
 KNOWN_TYPES = frozenset({"FLOAT", "W8A8", "W8A8_DYNAMIC"})
 # Top-level keys that are not tensor names.
 META_KEYS = frozenset(
@@ -40,15 +41,21 @@ META_KEYS = frozenset(
         "fa_quant_type",
         "indexer_quant_type",
         "reduce_quant_type",
+        "kv_quant_type",
+        "quantize",
     }
 )
+# Metadata keys that ask for a quantized cache/attention path this project does not implement
+# unless their value says "float".
+FEATURE_KEYS = ("kv_cache_type", "fa_quant_type", "indexer_quant_type", "reduce_quant_type")
+_FEATURE_OFF = (None, "", "FLOAT", "FLOAT16", "BF16", "NONE", "None")
 
 FLOATS = FLOAT_DTYPES - {"F64"}
 # suffix -> (allowed dtypes, shape as a function of (N, K)); required ones per type.
 _COMPANIONS = {
     "W8A8": {
         "input_scale": (FLOATS, lambda n, k: (1,)),
-        "input_offset": (FLOATS | {"I8"}, lambda n, k: (1,)),
+        "input_offset": (FLOATS | {"I8", "I32", "I64"}, lambda n, k: (1,)),
         "deq_scale": (frozenset({"I64", "F32"}), lambda n, k: (n,)),
         "quant_bias": (frozenset({"I32"}), lambda n, k: (n,)),
     },
@@ -116,6 +123,13 @@ def check_description(
             f"{where}:model_quant_type",
             f"unsupported model_quant_type {mqt!r} (supported: {sorted(SUPPORTED_MODEL_QUANT_TYPES)})",
         )
+    for key in FEATURE_KEYS:
+        if desc.get(key) not in _FEATURE_OFF:
+            report.error(
+                "ms-feature",
+                f"{where}:{key}",
+                f"{key}={desc.get(key)!r} asks for a quantized cache/attention path ascend-adapters does not implement",
+            )
     types: dict[str, str] = {}
     for key, value in desc.items():
         if key in META_KEYS:
