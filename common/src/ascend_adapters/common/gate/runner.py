@@ -48,6 +48,20 @@ _LOG_TIMINGS = {
     "engine_init_s": (r"init engine \(profile, create kv cache, warmup model\) took ([0-9.]+)",),
 }
 _RESOLVED = re.compile(r"Resolved architecture: (\S+)")
+_LOG_PREFIX = re.compile(r"^\(\w+ pid=\d+\) \w+ [\d-]+ [\d:]+ \[[^\]]*\] ")
+_EXCEPTION_LINE = re.compile(r"^(?:[A-Za-z_][\w.]*)?(?:Error|Exception|Exit|Interrupt)(?:: .*)?$")
+
+
+def exception_lines(log: str, limit: int = 10) -> list[str]:
+    """The ``SomeError: message`` lines of the tracebacks in a vLLM log, first (usually the root cause) first."""
+    seen: list[str] = []
+    for line in log.splitlines():
+        line = _LOG_PREFIX.sub("", line).strip()
+        if _EXCEPTION_LINE.match(line) and line not in seen:
+            seen.append(line)
+            if len(seen) == limit:
+                break
+    return seen
 
 
 class GateInterrupted(BaseException):
@@ -512,6 +526,9 @@ class _Gate:
                 srv.start()
             except ServerStartError as exc:
                 msg = str(exc).split("\n", 1)[0]
+                errors = exception_lines(srv.log_text(), limit=1)
+                if errors:
+                    msg += f"; first error in the log: {_excerpt(errors[0], 500)}"
                 rec.check(f"{stage}: start-up (GET /v1/models 200)", False, msg)
                 _say(f"[gate]   start-up FAILED: {msg}")
                 verdict = "startup_failed"
@@ -535,6 +552,7 @@ class _Gate:
             if verdict == "pass" and not all(c["passed"] for c in rec.checks[first_check:]):
                 verdict = "check_failed"
             if verdict != "pass":
+                info["errors"] = exception_lines(log)
                 info["log_tail"] = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
         info["verdict"] = verdict
         if verdict == "false_ready":
@@ -542,8 +560,10 @@ class _Gate:
                              "failed a request")  # fmt: skip
         _say(f"[gate]   stage {stage}: {verdict.upper().replace('_', ' ')}")
         if verdict != "pass":
-            for line in info.get("log_tail", "").splitlines()[-15:]:
+            for line in info.get("log_tail", "").splitlines()[-10:]:
                 _say(f"[gate]   | {line}")
+            if info.get("errors"):
+                _say(f"[gate]   first error in the server log: {_excerpt(info['errors'][0], 400)}")
         return verdict
 
     def _spawned(self, stage: str, srv: VllmServer) -> None:
