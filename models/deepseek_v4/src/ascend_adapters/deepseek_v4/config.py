@@ -1,0 +1,204 @@
+"""Config acceptance and start-up policy for DeepSeek-V4 on the portable path.
+
+vLLM 0.32 maps ``model_type: deepseek_v4`` to its own config class, which
+rejects configs saved by transformers (``mlp_layer_types``) before any plugin
+model is chosen. We register, through vLLM's public config-parser registry, an
+``hf`` parser that builds transformers' ``DeepseekV4Config`` for that model
+type only. transformers' class reads both layouts: its own
+(``layer_types``/``compress_rates``/``mlp_layer_types``/nested
+``rope_parameters``) and DeepSeek's native one (``compress_ratios``,
+``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``). Every other
+model type goes to vLLM's stock ``HFConfigParser`` untouched.
+
+``DeepseekV4StartupPolicy`` (vLLM's ``MODELS_CONFIG_MAP`` hook) refuses what the
+portable model cannot serve exactly, with the reason, before any weights load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+logger = logging.getLogger("ascend_adapters")
+
+MODEL_TYPE = "deepseek_v4"
+ARCH = "DeepseekV4ForCausalLM"
+# Set to 0 to serve the sliding-window branch only (then max_model_len must fit the window).
+COMPRESSED_ENV = "ASCEND_ADAPTERS_DSV4_COMPRESSED"
+
+LAYER_SLIDING = "sliding_attention"
+LAYER_CSA = "compressed_sparse_attention"
+LAYER_HCA = "heavily_compressed_attention"
+SUPPORTED_ROPE_TYPES = ("default", "yarn")
+
+
+def compressed_enabled() -> bool:
+    return os.environ.get(COMPRESSED_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+
+
+def _read_config_dict(model) -> dict | None:
+    path = Path(str(model)) / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def load_transformers_config(model, config_dict: dict | None = None, **kwargs):
+    """transformers' DeepseekV4Config for a checkpoint directory (either key layout)."""
+    from transformers import DeepseekV4Config
+
+    if config_dict is None:
+        config_dict = _read_config_dict(model)
+        if config_dict is None:
+            raise FileNotFoundError(f"{model}: no readable config.json")
+    data = dict(config_dict)
+    # DeepSeek's native files carry rope settings as `rope_scaling` (YaRN for the
+    # compressed branches) and sometimes a per-layer list that includes MTP layers.
+    if "rope_scaling" in data and "rope_parameters" not in data:
+        rs = dict(data.pop("rope_scaling") or {})
+        if "type" in rs and "rope_type" not in rs:
+            rs["rope_type"] = rs.pop("type")
+        data["rope_parameters"] = rs
+    for key in ("compress_ratios",):
+        if key in data and "num_hidden_layers" in data:
+            data[key] = list(data[key])[: data["num_hidden_layers"]]
+    try:
+        config = DeepseekV4Config.from_dict(data, name_or_path=str(model))
+    except Exception as exc:
+        raise ValueError(f"{model}/config.json: not a valid DeepSeek-V4 config ({type(exc).__name__}: {exc})") from exc
+    validate_config(config, source=f"{model}/config.json")
+    return config
+
+
+def rope_sets(config) -> dict:
+    """The per-branch rope parameter sets ``{"main": ..., "compress": ...}``."""
+    nested = getattr(config, "dsv4_rope_parameters", None)
+    return nested if nested is not None else (config.rope_parameters or {})
+
+
+def flatten_rope_for_vllm(config):
+    """Keep the nested ``main``/``compress`` sets aside for the model and leave vLLM a flat one.
+
+    vLLM's max-length and rope checks only understand a flat dict or one nested by
+    layer type; DeepSeek-V4 nests by branch. The sliding branch's (``main``) set is
+    what vLLM sees; the model reads ``dsv4_rope_parameters``.
+    """
+    rp = config.rope_parameters or {}
+    if isinstance(rp.get("main"), dict):
+        config.dsv4_rope_parameters = {k: dict(v) for k, v in rp.items() if isinstance(v, dict)}
+        config.rope_parameters = dict(rp["main"])
+    return config
+
+
+def validate_config(config, source: str = "config") -> None:
+    """Fail closed on settings the portable model does not implement."""
+    bad_layers = [t for t in config.layer_types if t not in (LAYER_SLIDING, LAYER_CSA, LAYER_HCA)]
+    if bad_layers:
+        raise ValueError(f"{source}: unknown layer_types {bad_layers}")
+    for label in ("main", "compress"):
+        rp = rope_sets(config).get(label) or {}
+        rt = rp.get("rope_type", "default")
+        if rt not in SUPPORTED_ROPE_TYPES:
+            raise ValueError(
+                f"{source}: rope_parameters.{label}.rope_type={rt!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+            )
+    if config.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
+        raise ValueError(f"{source}: scoring_func={config.scoring_func!r} is not supported")
+    if config.num_key_value_heads != 1:
+        raise ValueError(f"{source}: num_key_value_heads={config.num_key_value_heads}; DeepSeek-V4 shares one KV head")
+    if (config.num_attention_heads * config.head_dim) % config.o_groups:
+        raise ValueError(f"{source}: num_attention_heads*head_dim is not divisible by o_groups={config.o_groups}")
+
+
+def max_exact_len(config) -> int | None:
+    """Longest context served exactly, or None when unbounded (compressed branches on)."""
+    has_compressed = any(t != LAYER_SLIDING for t in config.layer_types)
+    if compressed_enabled() or not has_compressed:
+        return None
+    return int(config.sliding_window)
+
+
+def _parser_classes():
+    from vllm.transformers_utils.config import HFConfigParser
+
+    class DeepseekV4AwareHFConfigParser(HFConfigParser):
+        """vLLM's HF parser, except that ``deepseek_v4`` is read with transformers' class."""
+
+        def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
+            config_dict = _read_config_dict(model)
+            if not config_dict or config_dict.get("model_type") != MODEL_TYPE:
+                return super().parse(model, trust_remote_code, revision=revision, code_revision=code_revision, **kwargs)
+            hf_overrides = kwargs.pop("hf_overrides", None)
+            config = flatten_rope_for_vllm(load_transformers_config(model, config_dict))
+            if isinstance(hf_overrides, dict) and hf_overrides:
+                config.update(hf_overrides)
+            elif callable(hf_overrides):
+                config = hf_overrides(config)
+            return config_dict, config
+
+    return DeepseekV4AwareHFConfigParser
+
+
+_REGISTERED = False
+
+
+def register_config_hooks() -> None:
+    """Register the ``hf`` config parser and the start-up policy (idempotent)."""
+    global _REGISTERED
+    if _REGISTERED:
+        return
+    from vllm.transformers_utils.config import get_config_parser, register_config_parser
+
+    current = type(get_config_parser("hf"))
+    if current.__name__ != "DeepseekV4AwareHFConfigParser":
+        register_config_parser("hf")(_parser_classes())
+
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    MODELS_CONFIG_MAP[ARCH] = _policy_class()
+    _REGISTERED = True
+
+
+def _policy_class():
+    from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
+
+    class DeepseekV4StartupPolicy(VerifyAndUpdateConfig):
+        """Start-up checks for the portable DeepSeek-V4 model (fail closed, with the reason)."""
+
+        @classmethod
+        def verify_and_update_config(cls, vllm_config) -> None:
+            model_config = vllm_config.model_config
+            hf = model_config.hf_config
+            if getattr(hf, "model_type", None) != MODEL_TYPE or not hasattr(hf, "layer_types"):
+                raise ValueError(
+                    f"{ARCH} (ascend-adapters portable path) needs a DeepSeek-V4 config read by transformers' "
+                    f"DeepseekV4Config; got {type(hf).__name__}. Was the config passed with a non-'hf' "
+                    "--config-format?"
+                )
+            validate_config(hf, source=str(model_config.model))
+            cache_config = vllm_config.cache_config
+            if cache_config.enable_prefix_caching:
+                raise ValueError(
+                    f"{ARCH} (ascend-adapters portable path) keeps per-request attention state and does not "
+                    "support prefix caching; drop --enable-prefix-caching."
+                )
+            limit = max_exact_len(hf)
+            if limit is not None and model_config.max_model_len > limit:
+                raise ValueError(
+                    f"{ARCH}: max_model_len={model_config.max_model_len} exceeds the sliding window "
+                    f"({limit} tokens), and the compressed attention branches (CSA/HCA) are switched off "
+                    f"({COMPRESSED_ENV}=0): beyond the window the model would not be exact. Use "
+                    f"--max-model-len {limit} or unset {COMPRESSED_ENV}."
+                )
+            spec = getattr(vllm_config, "speculative_config", None)
+            if spec is not None:
+                raise ValueError(f"{ARCH} (ascend-adapters portable path): speculative decoding is not supported")
+            MambaModelConfig.verify_and_update_config(vllm_config)
+
+    return DeepseekV4StartupPolicy

@@ -1,0 +1,281 @@
+"""DeepSeek-V4 math as portable torch ops behind common's dispatch layer.
+
+Each op is registered with ``@dispatch.portable``; an NPU build may add a
+``@dispatch.npu`` implementation of the same name later without touching the
+model. Everything runs in float32 where the reference does (norms, mHC
+weights, router scores, softmaxes).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ascend_adapters.common import dispatch
+
+
+# ---------------------------------------------------------------- norms / rope
+@dispatch.portable("dsv4.rms_norm")
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dim; ``weight=None`` is the unweighted variant."""
+    dtype = x.dtype
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return h.to(dtype)
+    return weight * h.to(dtype)
+
+
+def rope_inv_freq(params: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and cos/sin scale for one rope-parameter dict (default or YaRN)."""
+    base = float(params["rope_theta"])
+    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        return 1.0 / pos_freqs, 1.0
+    if rope_type != "yarn":
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    factor = params.get("factor")
+    orig = params["original_max_position_embeddings"]
+    if factor is None:
+        factor = max_position_embeddings / orig
+    attention_factor = params.get("attention_factor")
+    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+
+    def get_mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = params.get("beta_fast") or 32
+    beta_slow = params.get("beta_slow") or 1
+
+    def corr_dim(rot):
+        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
+    return inv, float(attention_factor)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
+    return freqs.cos() * scale, freqs.sin() * scale
+
+
+@dispatch.portable("dsv4.rope_interleaved")
+def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Interleaved RoPE on the trailing ``2*cos.shape[-1]`` channels of ``x``.
+
+    ``x`` is ``[T, ..., D]``; ``cos``/``sin`` are ``[T, rd/2]`` (one angle per pair).
+    """
+    rd = 2 * cos.shape[-1]
+    extra = x.dim() - 2
+    c = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *([1] * extra), rd)
+    s = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *([1] * extra), rd)
+    nope, rope = x[..., :-rd], x[..., -rd:]
+    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
+    out = (rope.float() * c + rot.float() * s).to(x.dtype)
+    return torch.cat([nope, out], dim=-1)
+
+
+# ---------------------------------------------------------------- mHC
+@dispatch.portable("dsv4.hc_pre")
+def hc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    sinkhorn_iters: int,
+    hc_eps: float,
+    norm_eps: float,
+):
+    """mHC weights for one block: ``streams [T, N, D]`` -> (post [T,N], comb [T,N,N], collapsed [T,D])."""
+    t, n, _ = streams.shape
+    flat = rms_norm(streams.reshape(t, -1).float(), None, norm_eps)
+    mixes = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.float().split([n, n, n * n])
+    s_pre, s_post, s_comb = scale.float().unbind(0)
+    pre = torch.sigmoid(pre_w * s_pre + pre_b) + hc_eps
+    post = 2 * torch.sigmoid(post_w * s_post + post_b)
+    comb = torch.softmax(comb_w.view(t, n, n) * s_comb + comb_b.view(n, n), dim=-1) + hc_eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    for _ in range(sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return post, comb, collapsed
+
+
+@dispatch.portable("dsv4.hc_post")
+def hc_post(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """new[k] = post[k] * out + sum_j comb[j, k] * streams[j]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
+
+
+@dispatch.portable("dsv4.hc_head")
+def hc_head(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *, hc_eps: float, norm_eps: float
+) -> torch.Tensor:
+    flat = rms_norm(streams.flatten(1).float(), None, norm_eps)
+    pre = torch.sigmoid(F.linear(flat, fn.float()) * scale.float() + base.float()) + hc_eps
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
+# ---------------------------------------------------------------- MoE
+def score_fn(logits: torch.Tensor, kind: str) -> torch.Tensor:
+    if kind == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    if kind == "sigmoid":
+        return torch.sigmoid(logits)
+    if kind == "softmax":
+        return torch.softmax(logits, dim=-1)
+    raise ValueError(f"unknown scoring_func {kind!r}")
+
+
+@dispatch.portable("dsv4.route")
+def route(
+    logits: torch.Tensor,
+    *,
+    top_k: int,
+    scoring: str,
+    scaling: float,
+    normalize: bool,
+    bias: torch.Tensor | None = None,
+    hash_ids: torch.Tensor | None = None,
+):
+    """Top-k (score + bias) or hash (``hash_ids`` from tid2eid) routing -> (weights, ids)."""
+    scores = score_fn(logits.float(), scoring)
+    if hash_ids is not None:
+        ids = hash_ids.long()
+    else:
+        sel = scores + bias.float() if bias is not None else scores
+        ids = torch.topk(sel, top_k, dim=-1, sorted=False).indices
+    w = scores.gather(1, ids)
+    if normalize:
+        w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+    return w * scaling, ids
+
+
+def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
+    if limit is not None and limit > 0:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
+
+
+@dispatch.portable("dsv4.moe_experts")
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None
+) -> torch.Tensor:
+    """Routed experts, grouped by expert. ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tok = order // ids.shape[1]
+    wts = weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        idx = tok[start : start + c]
+        gu = F.linear(x[idx], w13[e])
+        g, u = gu.chunk(2, dim=-1)
+        h = F.linear(clipped_swiglu(g, u, limit), w2[e]) * wts[start : start + c, None].to(x.dtype)
+        out.index_add_(0, idx, h)
+        start += c
+    return out
+
+
+# ---------------------------------------------------------------- attention
+@dispatch.portable("dsv4.sink_attention")
+def sink_attention(
+    q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Shared-KV MQA with a per-head sink logit in the softmax denominator.
+
+    q ``[n, H, D]``; kv ``[S, D]`` is both key and value; allowed ``[n, S]`` bool.
+    """
+    logits = torch.einsum("nhd,sd->nhs", q.float(), kv.float()) * scale
+    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
+    comb = torch.cat([logits, sink], dim=-1)
+    comb = comb - comb.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(comb, dim=-1)[..., :-1]
+    return torch.einsum("nhs,sd->nhd", probs, kv.float()).to(q.dtype)
+
+
+@dispatch.portable("dsv4.compress_windows")
+def compress_windows(
+    kv: torch.Tensor, gate: torch.Tensor, ratio: int, overlap: bool, head_dim: int, first_window_has_prev: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax-gated pooling of whole windows of ``ratio`` tokens.
+
+    ``kv``/``gate`` ``[W*ratio, C]`` with ``position_bias`` already added to the gate.
+    Without overlap (HCA) C = head_dim and entry w pools window w. With overlap
+    (CSA) C = 2*head_dim: entry w pools the first half (Ca) of window w-1 and the
+    second half (Cb) of window w over 2*ratio slots; the rows passed in then start
+    one window early when ``first_window_has_prev`` (that leading window emits
+    nothing). Returns (pooled entries [W', head_dim] before the norm, None).
+    """
+    n_win = kv.shape[0] // ratio
+    kv = kv.view(n_win, ratio, -1)
+    gate = gate.view(n_win, ratio, -1)
+    if not overlap:
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+        return pooled, None
+    d = head_dim
+    if first_window_has_prev:
+        prev_kv, prev_gate = kv[:-1, :, :d], gate[:-1, :, :d]
+        cur_kv, cur_gate = kv[1:, :, d:], gate[1:, :, d:]
+    else:
+        cur_kv, cur_gate = kv[:, :, d:], gate[:, :, d:]
+        prev_kv = torch.zeros_like(cur_kv)
+        prev_gate = torch.full_like(cur_gate, float("-inf"))
+        if n_win > 1:
+            prev_kv[1:] = kv[:-1, :, :d]
+            prev_gate[1:] = gate[:-1, :, :d]
+    all_kv = torch.cat([prev_kv, cur_kv], dim=1)
+    all_gate = torch.cat([prev_gate, cur_gate], dim=1)
+    pooled = (all_kv * all_gate.softmax(dim=1, dtype=torch.float32).to(all_kv.dtype)).sum(dim=1)
+    return pooled, None
+
+
+@dispatch.portable("dsv4.indexer_scores")
+def indexer_scores(
+    q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, softmax_scale: float, weights_scale: float
+) -> torch.Tensor:
+    """Lightning indexer: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` -> ``[n, S]``.
+
+    q ``[n, Hi, Di]``, keys ``[S, Di]``, weights ``[n, Hi]`` (weights_proj output).
+    """
+    s = torch.einsum("nhd,sd->nhs", q.float(), keys.float())
+    s = F.relu(s) * softmax_scale
+    return (s * (weights.float() * weights_scale).unsqueeze(-1)).sum(dim=1)
+
+
+@dispatch.portable("dsv4.grouped_linear")
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, groups: int) -> torch.Tensor:
+    """Block-diagonal projection: x ``[T, G, in]``, weight ``[G*out, in]`` -> ``[T, G*out]``."""
+    t, g, d = x.shape
+    w = weight.view(groups, -1, d)
+    return torch.einsum("tgi,goi->tgo", x, w).reshape(t, -1)

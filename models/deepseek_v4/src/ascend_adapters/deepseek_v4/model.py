@@ -1,0 +1,636 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``) for vLLM on platforms without the native path.
+
+Reads like vLLM's llama.py: layer classes, then the model, then the causal-LM
+wrapper with ``load_weights``. All math goes through ``kernels`` (portable torch
+behind common's dispatch layer).
+
+Attention state. vLLM's paged attention cannot express DeepSeek-V4 attention
+(shared K=V head, per-head sinks, a sliding window *plus* compressed entries
+selected per query by the lightning indexer, all in one softmax). Each
+attention layer therefore keeps its own per-request state through vLLM's
+state-space-model cache (a ``MambaBase`` layer with the pure-Python
+``LINEAR`` metadata builder: per-request slot, ``query_start_loc``,
+``seq_lens``). The state has a fixed size given ``max_model_len``:
+
+* ``window``  ``[W, head_dim]``: the shared K=V of the last W positions (ring, slot = pos % W);
+* ``raw``     ``[R, hidden]``: the layer input of the last R positions (ring), from
+  which the compressors pool a window when it closes (R = 2*csa_rate or hca_rate);
+* ``entries`` ``[E, head_dim]``: compressed KV entries, entry w at row w;
+* ``index``   ``[E, index_head_dim]``: the indexer's compressed keys.
+
+Every layer carries the same shapes so vLLM allocates one uniform state page.
+Exactness does not depend on how a prompt is split into chunks: each token
+reads only positions of its own request that were written before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+
+from ascend_adapters.common import dispatch
+from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
+from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled, rope_sets
+from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
+from ascend_adapters.deepseek_v4.remap import build_remapper
+
+op = dispatch.op
+
+
+# ---------------------------------------------------------------- state sizing
+def state_dims(config, max_model_len: int) -> dict:
+    """Per-layer state sizes shared by every attention layer (uniform page)."""
+    types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
+    rates = config.compress_rates
+    csa = rates.get(LAYER_CSA, 4) if LAYER_CSA in types else None
+    hca = rates.get(LAYER_HCA, 128) if LAYER_HCA in types else None
+    ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
+    min_rate = min([r for r in (csa, hca) if r] or [0]) or None
+    entries = (max_model_len // min_rate + 1) if min_rate else 1
+    return {
+        "window": int(config.sliding_window),
+        "ring": int(ring),
+        "entries": int(entries),
+        "index_dim": int(config.index_head_dim) if csa else 1,
+    }
+
+
+def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
+    d = state_dims(config, max_model_len)
+    return (
+        (d["window"], config.head_dim),
+        (d["ring"], config.hidden_size),
+        (d["entries"], config.head_dim),
+        (d["entries"], d["index_dim"]),
+    )
+
+
+class _Norm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x):
+        return op("dsv4.rms_norm")(x, self.weight, self.eps)
+
+
+class _Rope:
+    """cos/sin tables for one rope-parameter set (``main`` or ``compress``)."""
+
+    def __init__(self, config, label: str):
+        self.inv_freq, self.scale = rope_inv_freq(
+            rope_sets(config)[label], config.head_dim, config.max_position_embeddings
+        )
+
+    def __call__(self, positions: torch.Tensor):
+        return rope_cos_sin(self.inv_freq, self.scale, positions)
+
+
+# ---------------------------------------------------------------- compressor / indexer
+class DeepseekV4Compressor(nn.Module):
+    """Gated pooling of ``rate`` tokens into one KV entry (CSA: overlapping pairs of windows)."""
+
+    def __init__(self, config, rate: int, head_dim: int, overlap: bool, quant_config, prefix: str):
+        super().__init__()
+        self.rate, self.head_dim, self.overlap = rate, head_dim, overlap
+        width = (2 if overlap else 1) * head_dim
+        self.kv_proj = ReplicatedLinear(
+            config.hidden_size,
+            width,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.kv_proj",
+            return_bias=False,
+        )
+        self.gate_proj = ReplicatedLinear(
+            config.hidden_size,
+            width,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.gate_proj",
+            return_bias=False,
+        )
+        self.position_bias = nn.Parameter(torch.zeros(rate, width))
+        self.kv_norm = _Norm(head_dim, config.rms_norm_eps)
+
+    def pool(self, x: torch.Tensor, first_pos: int, rope: _Rope, has_prev: bool) -> torch.Tensor:
+        """Entries for the whole windows in ``x`` (rows from ``first_pos``, a window start).
+
+        With overlap and ``has_prev`` the first window of ``x`` only feeds the next entry.
+        """
+        kv = self.kv_proj(x)
+        gate = self.gate_proj(x) + self.position_bias.repeat(x.shape[0] // self.rate, 1)
+        pooled, _ = op("dsv4.compress_windows")(kv, gate, self.rate, self.overlap, self.head_dim, has_prev)
+        out = self.kv_norm(pooled)
+        first_w = first_pos // self.rate + (1 if (self.overlap and has_prev) else 0)
+        pos = torch.arange(out.shape[0], device=x.device) * self.rate + first_w * self.rate
+        cos, sin = rope(pos)
+        return op("dsv4.rope_interleaved")(out, cos, sin)
+
+
+class DeepseekV4Indexer(DeepseekV4Compressor):
+    """Lightning indexer: its own overlapping compressor at index_head_dim plus query/weight heads."""
+
+    def __init__(self, config, rate: int, quant_config, prefix: str):
+        super().__init__(config, rate, config.index_head_dim, True, quant_config, prefix)
+        self.n_heads, self.topk = config.index_n_heads, config.index_topk
+        self.q_b_proj = ReplicatedLinear(
+            config.q_lora_rank,
+            self.n_heads * self.head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_b_proj",
+            return_bias=False,
+        )
+        self.weights_proj = ReplicatedLinear(
+            config.hidden_size,
+            self.n_heads,
+            bias=False,
+            quant_config=None,
+            prefix=f"{prefix}.weights_proj",
+            return_bias=False,
+        )
+        self.softmax_scale = self.head_dim**-0.5
+        self.weights_scale = self.n_heads**-0.5
+
+
+# ---------------------------------------------------------------- attention
+class DeepseekV4Attention(nn.Module, MambaBase):
+    """Shared-KV MQA over a sliding window + compressed entries, with sinks and a grouped output projection."""
+
+    def __init__(self, config, layer_idx: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        vllm_config = get_current_vllm_config()
+        self.config = config
+        self.prefix = prefix
+        self.layer_type = config.layer_types[layer_idx] if compressed_enabled() else LAYER_SLIDING
+        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        self.window = config.sliding_window
+        self.scale = self.head_dim**-0.5
+        self.eps = config.rms_norm_eps
+        self.o_groups = config.o_groups
+        h = config.hidden_size
+        # wq_a and wkv share their input: one fused projection (also how ModelSlim ships them).
+        self.wqkv_a = MergedColumnParallelLinear(
+            h,
+            [config.q_lora_rank, self.head_dim],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.wqkv_a",
+            return_bias=False,
+            disable_tp=True,
+        )
+        self.q_a_norm = _Norm(config.q_lora_rank, self.eps)
+        self.q_b_proj = ReplicatedLinear(
+            config.q_lora_rank,
+            self.n_heads * self.head_dim,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.q_b_proj",
+            return_bias=False,
+        )
+        self.kv_norm = _Norm(self.head_dim, self.eps)
+        # Grouped (block-diagonal) projection: a plain parameter, read by the grouped kernel.
+        self.o_a_proj = nn.Module()
+        self.o_a_proj.weight = nn.Parameter(
+            torch.empty(self.o_groups * config.o_lora_rank, self.n_heads * self.head_dim // self.o_groups),
+            requires_grad=False,
+        )
+        self.o_b_proj = ReplicatedLinear(
+            self.o_groups * config.o_lora_rank,
+            h,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.o_b_proj",
+            return_bias=False,
+        )
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        self.compressor = None
+        self.rate = None
+        if self.layer_type == LAYER_CSA:
+            self.rate = config.compress_rates[LAYER_CSA]
+            self.compressor = DeepseekV4Compressor(
+                config, self.rate, self.head_dim, True, quant_config, f"{prefix}.compressor"
+            )
+            self.compressor.indexer = DeepseekV4Indexer(config, self.rate, quant_config, f"{prefix}.compressor.indexer")
+        elif self.layer_type == LAYER_HCA:
+            self.rate = config.compress_rates[LAYER_HCA]
+            self.compressor = DeepseekV4Compressor(
+                config, self.rate, self.head_dim, False, quant_config, f"{prefix}.compressor"
+            )
+        # Checkpoint layer type: a CSA/HCA layer served window-only would silently change the model.
+        self.ckpt_layer_type = config.layer_types[layer_idx]
+        self.rope = _Rope(config, "main" if self.ckpt_layer_type == LAYER_SLIDING else "compress")
+        self.rope_compress = _Rope(config, "compress")
+
+        self.max_model_len = vllm_config.model_config.max_model_len
+        self._shapes = state_shapes(config, self.max_model_len)
+        self._dims = state_dims(config, self.max_model_len)
+        cc = vllm_config.compilation_config
+        if prefix in cc.static_forward_context:
+            raise ValueError(f"Duplicate layer name: {prefix}")
+        cc.static_forward_context[prefix] = self
+        self.kv_cache = (torch.tensor([]),)
+
+    # MambaBase: vLLM sizes and hands out the per-request state from these.
+    def get_state_shape(self):
+        return self._shapes
+
+    def get_state_dtype(self):
+        return (torch.float32,) * len(self._shapes)
+
+    @property
+    def mamba_type(self):
+        return MambaAttentionBackendEnum.LINEAR
+
+    # -- one request -------------------------------------------------------------------------
+    def _seq(self, x, q, kv, qr, pos0: int, state):
+        """Attention for one request's ``n`` new tokens at positions pos0..pos0+n-1."""
+        n = x.shape[0]
+        dev = x.device
+        qpos = torch.arange(pos0, pos0 + n, device=dev)
+        W = self.window
+        # sliding-window keys: the W-1 positions before pos0 (from the ring) + the new ones
+        lo = max(0, pos0 - W + 1)
+        prev_pos = torch.arange(lo, pos0, device=dev)
+        if state is not None and prev_pos.numel():
+            prev_kv = state[0][prev_pos % W]
+        else:
+            prev_pos = prev_pos[:0]
+            prev_kv = kv.new_zeros((0, kv.shape[1]))
+        keys = torch.cat([prev_kv, kv], 0)
+        kpos = torch.cat([prev_pos, qpos])
+        allowed = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
+
+        if self.compressor is not None:
+            entries, idx_entries, n_entries = self._compress(x, pos0, state)
+            visible = torch.arange(n_entries, device=dev)[None, :] < ((qpos + 1) // self.rate)[:, None]
+            if self.layer_type == LAYER_CSA and n_entries:
+                visible = self._index(x, qr, qpos, idx_entries, visible)
+            keys = torch.cat([keys, entries], 0)
+            allowed = torch.cat([allowed, visible], 1)
+        if state is not None:
+            keep = min(n, W)
+            state[0][qpos[-keep:] % W] = kv[-keep:]
+        return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
+
+    def _compress(self, x, pos0: int, state):
+        """Emit the entries of windows that close in this chunk; return all entries so far."""
+        comp, m = self.compressor, self.rate
+        n = x.shape[0]
+        dev = x.device
+        overlap = self.layer_type == LAYER_CSA
+        w_first, w_end = pos0 // m, (pos0 + n) // m  # windows closing here: w_first..w_end-1
+        ring = self._dims["ring"]
+        new_c = new_i = None
+        if w_end > w_first:
+            start_w = max(0, w_first - 1) if overlap else w_first
+            has_prev = overlap and w_first > 0
+            start = start_w * m
+            stop = w_end * m
+            if start < pos0:
+                if state is None:
+                    raise RuntimeError("DeepSeek-V4 compressor needs earlier positions but no state is bound")
+                old = state[1][torch.arange(start, pos0, device=dev) % ring]
+                rows = torch.cat([old, x[: stop - pos0]], 0)
+            else:
+                rows = x[start - pos0 : stop - pos0]
+            new_c = comp.pool(rows, start, self.rope_compress, has_prev)
+            if overlap:
+                new_i = comp.indexer.pool(rows, start, self.rope_compress, has_prev)
+        if state is None:  # stateless (profile) run: this chunk alone, from position pos0
+            ent = new_c if new_c is not None else x.new_zeros((0, self.head_dim))
+            idx = new_i if new_i is not None else None
+            return ent, idx, ent.shape[0]
+        if new_c is not None:
+            state[2][w_first:w_end] = new_c
+            if new_i is not None:
+                state[3][w_first:w_end] = new_i
+        keep = min(n, ring)
+        state[1][torch.arange(pos0 + n - keep, pos0 + n, device=dev) % ring] = x[-keep:]
+        return state[2][:w_end], (state[3][:w_end] if overlap else None), w_end
+
+    def _index(self, x, qr, qpos, idx_entries, visible):
+        """Lightning indexer: keep the top-k visible compressed entries per query."""
+        ind = self.compressor.indexer
+        n = x.shape[0]
+        qi = ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim)
+        cos, sin = self.rope_compress(qpos)
+        qi = op("dsv4.rope_interleaved")(qi, cos, sin)
+        w = ind.weights_proj(x)
+        scores = op("dsv4.indexer_scores")(qi, idx_entries, w, ind.softmax_scale, ind.weights_scale)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        k = min(ind.topk, scores.shape[1])
+        top = scores.topk(k, dim=-1).indices
+        chosen = torch.zeros_like(visible)
+        chosen.scatter_(1, top, True)
+        return chosen & visible
+
+    # -- batch -------------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        t = x.shape[0]
+        qkv_a = self.wqkv_a(x)
+        q_a, kv = qkv_a.split([self.config.q_lora_rank, self.head_dim], dim=-1)
+        qr = self.q_a_norm(q_a)
+        q = self.q_b_proj(qr).view(t, self.n_heads, self.head_dim)
+        q = op("dsv4.rms_norm")(q, None, self.eps)
+        cos, sin = self.rope(positions)
+        q = op("dsv4.rope_interleaved")(q, cos, sin)
+        kv = op("dsv4.rope_interleaved")(self.kv_norm(kv), cos, sin)
+
+        out = torch.empty_like(q)
+        md = get_forward_context().attn_metadata
+        md = md.get(self.prefix) if isinstance(md, dict) else None
+        if md is None:  # profile / dummy run: one stateless sequence
+            out = self._seq(x, q, kv, qr, int(positions[0]), None)
+        else:
+            qsl = md.query_start_loc.tolist()
+            slots = md.state_indices_tensor.tolist()
+            for i in range(len(qsl) - 1):
+                a, b = qsl[i], qsl[i + 1]
+                if b <= a:
+                    continue
+                state = [s[slots[i]] for s in self.kv_cache]
+                out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
+        # K = V carried rope on its trailing slice: undo it at the query position.
+        out = op("dsv4.rope_interleaved")(out, cos, -sin)
+        grouped = out.reshape(t, self.o_groups, -1)
+        o = op("dsv4.grouped_linear")(grouped, self.o_a_proj.weight, self.o_groups)
+        return self.o_b_proj(o)
+
+
+# ---------------------------------------------------------------- MoE
+class DeepseekV4MoE(nn.Module):
+    """Hash-routed (tid2eid) or top-k (sqrtsoftplus + bias) routed experts + shared expert, clipped SwiGLU."""
+
+    def __init__(self, config, layer_idx: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.is_hash = config.mlp_layer_types[layer_idx] == "hash_moe"
+        self.top_k = config.num_experts_per_tok
+        self.n_experts = config.n_routed_experts
+        self.scoring = config.scoring_func
+        self.scaling = config.routed_scaling_factor
+        self.normalize = bool(getattr(config, "norm_topk_prob", True))
+        self.limit = config.swiglu_limit
+        h, inter = config.hidden_size, config.moe_intermediate_size
+        self.gate = nn.Module()
+        self.gate.weight = nn.Parameter(torch.empty(self.n_experts, h))
+        if self.is_hash:
+            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts), requires_grad=False)
+        self.experts = nn.Module()
+        self.experts.w13 = nn.Parameter(torch.empty(self.n_experts, 2 * inter, h), requires_grad=False)
+        self.experts.w2 = nn.Parameter(torch.empty(self.n_experts, h, inter), requires_grad=False)
+        shared = inter * max(1, config.n_shared_experts)
+        self.shared_experts = nn.Module()
+        self.shared_experts.gate_up_proj = MergedColumnParallelLinear(
+            h,
+            [shared, shared],
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.shared_experts.gate_up_proj",
+            return_bias=False,
+            disable_tp=True,
+        )
+        self.shared_experts.down_proj = ReplicatedLinear(
+            shared,
+            h,
+            bias=False,
+            quant_config=quant_config,
+            prefix=f"{prefix}.shared_experts.down_proj",
+            return_bias=False,
+        )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        if self.is_hash:
+            if input_ids is None:
+                raise ValueError("hash-routed MoE layers need token ids (inputs_embeds alone is not supported)")
+            w, ids = op("dsv4.route")(
+                logits,
+                top_k=self.top_k,
+                scoring=self.scoring,
+                scaling=self.scaling,
+                normalize=self.normalize,
+                hash_ids=self.gate.tid2eid[input_ids],
+            )
+        else:
+            w, ids = op("dsv4.route")(
+                logits,
+                top_k=self.top_k,
+                scoring=self.scoring,
+                scaling=self.scaling,
+                normalize=self.normalize,
+                bias=self.gate.e_score_correction_bias,
+            )
+        routed = op("dsv4.moe_experts")(x, w, ids, self.experts.w13, self.experts.w2, self.limit)
+        g, u = self.shared_experts.gate_up_proj(x).chunk(2, dim=-1)
+        from ascend_adapters.deepseek_v4.kernels import clipped_swiglu
+
+        return routed + self.shared_experts.down_proj(clipped_swiglu(g, u, self.limit))
+
+
+# ---------------------------------------------------------------- decoder
+class _HC(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        n = config.hc_mult
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n))
+        self.scale = nn.Parameter(torch.ones(3))
+        self.iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+
+    def forward(self, streams):
+        return op("dsv4.hc_pre")(
+            streams,
+            self.fn,
+            self.base,
+            self.scale,
+            sinkhorn_iters=self.iters,
+            hc_eps=self.hc_eps,
+            norm_eps=self.norm_eps,
+        )
+
+
+class DeepseekV4DecoderLayer(nn.Module):
+    def __init__(self, config, layer_idx: int, quant_config=None, prefix: str = ""):
+        super().__init__()
+        self.self_attn = DeepseekV4Attention(config, layer_idx, quant_config, f"{prefix}.self_attn")
+        self.mlp = DeepseekV4MoE(config, layer_idx, quant_config, f"{prefix}.mlp")
+        self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.attn_hc = _HC(config)
+        self.ffn_hc = _HC(config)
+
+    def forward(self, streams, positions, input_ids):
+        post, comb, collapsed = self.attn_hc(streams)
+        attn = self.self_attn(self.input_layernorm(collapsed), positions)
+        streams = op("dsv4.hc_post")(streams, attn, post, comb)
+        post, comb, collapsed = self.ffn_hc(streams)
+        mlp = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
+        return op("dsv4.hc_post")(streams, mlp, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        quant_config = vllm_config.quant_config
+        self.config = config
+        self.hc_mult = config.hc_mult
+        self.embed_tokens = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+        )
+        self.layers = nn.ModuleList(
+            [
+                DeepseekV4DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}")
+                for i in range(config.num_hidden_layers)
+            ]
+        )
+        self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.hc_head = nn.Module()
+        self.hc_head.hc_fn = nn.Parameter(torch.empty(config.hc_mult, config.hc_mult * config.hidden_size))
+        self.hc_head.hc_base = nn.Parameter(torch.zeros(config.hc_mult))
+        self.hc_head.hc_scale = nn.Parameter(torch.ones(1))
+
+    def forward(self, input_ids, positions, inputs_embeds=None):
+        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        for layer in self.layers:
+            streams = layer(streams, positions, input_ids)
+        h = op("dsv4.hc_head")(
+            streams,
+            self.hc_head.hc_fn,
+            self.hc_head.hc_base,
+            self.hc_head.hc_scale,
+            hc_eps=self.config.hc_eps,
+            norm_eps=self.config.rms_norm_eps,
+        )
+        return self.norm(h)
+
+
+class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = vllm_config.model_config.hf_config
+        self.config = config
+        self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        if getattr(config, "tie_word_embeddings", False):
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+
+    # vLLM's state-cache sizing asks the class before the model exists.
+    @classmethod
+    def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
+        return state_shapes(vllm_config.model_config.hf_config, vllm_config.model_config.max_model_len)
+
+    @classmethod
+    def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
+        cfg = vllm_config.model_config.hf_config
+        return (torch.float32,) * len(state_shapes(cfg, vllm_config.model_config.max_model_len))
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+        **kwargs,
+    ) -> torch.Tensor:
+        return self.model(input_ids, positions, inputs_embeds)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    # -- weights -----------------------------------------------------------------------------
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        remapper = build_remapper(self.config, lambda n: _owned(n, params, buffers))
+        loaded: set[str] = set()
+        for name, tensor in remapper.apply(weights):
+            target, shard = _split_shard(name)
+            if target in buffers:
+                buf = buffers[target]
+                _check_shape(name, target, tensor.shape, buf.shape)
+                buf.copy_(tensor.to(buf.dtype))
+                loaded.add(target)
+                continue
+            param = params[target]
+            if shard is not None and shard[0] == "expert":
+                _, e, which = shard
+                _load_expert(param, name, int(e), which, tensor)
+            elif shard is not None:
+                loader = param.weight_loader
+                loader(param, tensor, shard[1])
+            else:
+                _check_shape(name, target, tensor.shape, param.shape)
+                loader = getattr(param, "weight_loader", default_weight_loader)
+                loader(param, tensor)
+            loaded.add(target)
+        remapper.finish()
+        tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
+        missing = sorted(set(params) - loaded - tied)
+        missing += sorted(set(buffers) - loaded)
+        if missing:
+            raise ValueError(
+                f"DeepSeek-V4 checkpoint lacks {len(missing)} tensor(s) the model needs: "
+                f"{missing[:12]}{' ...' if len(missing) > 12 else ''}"
+            )
+        return loaded
+
+
+# Internal names with a shard suffix: "<param>#<shard>" (fused q_a/kv, shared gate/up, experts).
+def _split_shard(name: str):
+    if "#" not in name:
+        return name, None
+    target, shard = name.split("#", 1)
+    if shard.startswith("expert:"):
+        _, e, which = shard.split(":")
+        return target, ("expert", e, which)
+    return target, ("merged", int(shard))
+
+
+def _owned(name: str, params: dict, buffers: dict) -> bool:
+    target, _ = _split_shard(name)
+    return target in params or target in buffers
+
+
+def _check_shape(src: str, target: str, got, want) -> None:
+    if tuple(got) != tuple(want):
+        raise ValueError(f"checkpoint tensor {src} -> {target}: shape {tuple(got)} != model {tuple(want)}")
+
+
+def _load_expert(param: torch.Tensor, src: str, e: int, which: str, tensor: torch.Tensor) -> None:
+    if e >= param.shape[0]:
+        raise ValueError(f"checkpoint tensor {src}: expert {e} >= n_routed_experts {param.shape[0]}")
+    if which == "all":  # a stacked tensor for every expert
+        _check_shape(src, "experts", tensor.shape, param.shape)
+        param.data.copy_(tensor)
+        return
+    rows = param.shape[1] // 2 if which in ("gate", "up") else param.shape[1]
+    dst = param.data[e]
+    if which == "gate":
+        dst = dst[:rows]
+    elif which == "up":
+        dst = dst[rows:]
+    _check_shape(src, f"expert {e} {which}", tensor.shape, dst.shape)
+    dst.copy_(tensor)
