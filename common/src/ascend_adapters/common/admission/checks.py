@@ -145,9 +145,21 @@ def inspect_dir(
         description = load_description(root / DESCRIPTION_FILE, DESCRIPTION_FILE, report)
         if description is not None:
             flat = {name: info for name, (_, info) in tensors.items()}
+            broken = [rel for rel in shards if rel not in headers]
             undescribed = check_description(
-                description, flat, report, where=DESCRIPTION_FILE, undescribed_as_float=undescribed_as_float
+                description,
+                flat,
+                report,
+                where=DESCRIPTION_FILE,
+                undescribed_as_float=undescribed_as_float,
+                tensors_complete=not broken,
             )
+            if broken:
+                report.note(
+                    "ms-partial",
+                    DESCRIPTION_FILE,
+                    f"tensor-level checks skipped: unreadable shard header(s) {', '.join(broken)}",
+                )
     elif list(undescribed_as_float):
         report.error("ms-undescribed", DESCRIPTION_FILE, "undescribed-as-float names given, but no description")
     report.stats.update(
@@ -223,9 +235,20 @@ def build_manifest(
     return manifest, report
 
 
+def dumps_manifest(manifest: Mapping) -> str:
+    """JSON text with one line per file and per tensor (diff-friendly, compact for large models)."""
+    parts = []
+    for key, value in manifest.items():
+        if isinstance(value, list) and value:
+            rows = ",\n".join("  " + json.dumps(row) for row in value)
+            parts.append(f" {json.dumps(key)}: [\n{rows}\n ]")
+        else:
+            parts.append(f" {json.dumps(key)}: {json.dumps(value)}")
+    return "{\n" + ",\n".join(parts) + "\n}\n"
+
+
 def dump_manifest(manifest: Mapping, path: str | os.PathLike) -> None:
-    text = json.dumps(manifest, indent=1, sort_keys=False) + "\n"
-    Path(path).write_text(text)
+    Path(path).write_text(dumps_manifest(manifest))
 
 
 def load_manifest(path: str | os.PathLike, report: Report) -> dict | None:

@@ -110,8 +110,13 @@ def check_description(
     *,
     where: str = DESCRIPTION_FILE,
     undescribed_as_float: Iterable[str] = (),
+    tensors_complete: bool = True,
 ) -> list[str]:
-    """Check ``desc`` against ``tensors`` (name -> header info); returns the undescribed tensor names."""
+    """Check ``desc`` against ``tensors`` (name -> header info); returns the undescribed tensor names.
+
+    With ``tensors_complete=False`` (some shard header could not be read) only the description's
+    own fields are checked: tensor-level findings would only echo the unreadable shard.
+    """
     allowed_absent = set(undescribed_as_float)
     version = desc.get("version")
     if version not in KNOWN_VERSIONS:
@@ -141,9 +146,11 @@ def check_description(
             report.error("ms-type", f"{where}:{key}", f"unknown quant type {value!r} (known: {sorted(KNOWN_TYPES)})")
             continue
         types[key] = value
-        if key not in tensors:
+        if tensors_complete and key not in tensors:
             report.error("ms-missing-tensor", key, f"described as {value} in {where} but not in any shard")
 
+    if not tensors_complete:
+        return []
     undescribed = sorted(n for n in tensors if n not in desc)
     for name in undescribed:
         if name in allowed_absent:
