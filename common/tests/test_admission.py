@@ -667,3 +667,109 @@ def test_unreadable_file_reported(artifact):
         assert_refused(r, "file-unreadable", "tokenizer.json")
     finally:
         (d / "tokenizer.json").chmod(stat.S_IRUSR | stat.S_IWUSR)
+
+
+# -- serve-time hook logic (in-process; the real `vllm serve` runs in test_admission_serve.py) ------
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["vllm", "serve", "/m", "--port", "1"], "/m"),
+        (["vllm", "serve", "--port", "1", "--model", "/m"], "/m"),
+        (["x.py", "--model=/m"], "/m"),
+        (["vllm", "serve", "--port", "1"], None),
+        (["vllm", "chat"], None),
+        (["script.py", "serve"], None),
+    ],
+)
+def test_model_dir_from_argv(argv, expected):
+    from ascend_adapters.common.admission.hook import model_dir_from_argv
+
+    assert model_dir_from_argv(argv) == expected
+
+
+def test_hook_full_then_quick(templates, tmp_path, monkeypatch, capsys):
+    from ascend_adapters.common.admission import hook
+
+    d, manifest = templates["float_sharded"]
+    mpath = tmp_path / "m.json"
+    dump_manifest(manifest, mpath)
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.delenv(hook.MODEL_DIR_ENV, raising=False)
+    monkeypatch.setenv(hook.MANIFEST_ENV, str(mpath))
+    # API-server-like process: the model comes from `serve DIR`.
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", str(d), "--port", "1"])
+    hook.admit_from_env()
+    assert "sha256 verified" in capsys.readouterr().err
+    marker = json.loads(os.environ[hook.ADMITTED_ENV])
+    assert marker["model_dir"] == os.path.realpath(d)
+    hook.admit_from_env()  # idempotent within a process: no second check
+    assert capsys.readouterr().err == ""
+    # A child process (argv without the model): takes the directory from the marker, re-checks structure only.
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.setattr(sys, "argv", ["python", "-m", "vllm.model_executor.models.registry"])
+    hook.admit_from_env()
+    assert "re-checked structure" in capsys.readouterr().err
+    # The structure changed after the parent's check: the child refuses too.
+    monkeypatch.setattr(hook, "_admitted", None)
+    moved = copy_artifact(d, tmp_path / "moved")
+    monkeypatch.setitem(os.environ, hook.ADMITTED_ENV, json.dumps({**marker, "model_dir": os.path.realpath(moved)}))
+    (moved / "config.json").write_text("{}")
+    with pytest.raises(SystemExit) as exc:
+        hook.admit_from_env()
+    assert exc.value.code == hook.EXIT_CODE
+    assert "[file-size] config.json" in capsys.readouterr().err
+
+
+def test_hook_refusals(templates, tmp_path, monkeypatch, capsys):
+    from ascend_adapters.common.admission import hook
+
+    d, manifest = templates["float_single"]
+    mpath = tmp_path / "m.json"
+    dump_manifest(manifest, mpath)
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.setenv(hook.MANIFEST_ENV, str(mpath))
+    cases = {
+        "model-dir-unknown": ["vllm", "serve", "--port", "1"],
+        "not a local model directory": ["vllm", "serve", "org/name"],
+    }
+    for expected, argv in cases.items():
+        monkeypatch.setattr(sys, "argv", argv)
+        with pytest.raises(SystemExit) as exc:
+            hook.admit_from_env()
+        assert exc.value.code == hook.EXIT_CODE and expected in capsys.readouterr().err
+    monkeypatch.setattr(sys, "argv", ["vllm", "chat"])  # a client command loads no model
+    hook.admit_from_env()
+    monkeypatch.setenv(hook.MANIFEST_ENV, str(tmp_path / "absent.json"))
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", str(d)])
+    with pytest.raises(SystemExit):
+        hook.admit_from_env()
+    assert "manifest-unreadable" in capsys.readouterr().err
+    # Explicit directory wins over argv; a bad manifest file is refused with its field named.
+    m = json.loads(json.dumps(manifest))
+    m["software"]["vllm"] = ">=999"
+    dump_manifest(m, mpath)
+    monkeypatch.setenv(hook.MANIFEST_ENV, str(mpath))
+    monkeypatch.setenv(hook.MODEL_DIR_ENV, str(d))
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", "/elsewhere"])
+    with pytest.raises(SystemExit):
+        hook.admit_from_env()
+    err = capsys.readouterr().err
+    if __import__("ascend_adapters.common.versions").common.versions.installed_versions()["vllm"]:
+        assert "[software-version] vllm" in err
+    assert "[manifest-id]" not in err  # software ranges are not part of the content id
+
+
+def test_plugin_register_is_free_when_disabled(monkeypatch):
+    code = (
+        "import os, sys\n"
+        "os.environ.pop('ASCEND_ADAPTERS_MANIFEST', None)\n"
+        "from ascend_adapters.common.plugin import register\n"
+        "register(); register()\n"
+        "print([m for m in sys.modules if m.startswith('ascend_adapters.common.admission')])\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

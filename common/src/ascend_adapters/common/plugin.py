@@ -10,11 +10,12 @@ from __future__ import annotations
 def register() -> None:
     import os
 
-    from ascend_adapters.common.quant import register as register_modelslim_quant
-
-    register_modelslim_quant()  # `modelslim` quantization config + auto-selection, see docs/quantization.md
-
+    # Admission first: a refused model directory stops start-up before any quant scheme module is imported.
     if os.environ.get("ASCEND_ADAPTERS_MANIFEST"):  # fail-closed admission, see docs/admission.md
         from ascend_adapters.common.admission.hook import admit_from_env
 
         admit_from_env()
+
+    from ascend_adapters.common.quant import register as register_modelslim_quant
+
+    register_modelslim_quant()  # `modelslim` quantization config + auto-selection, see docs/quantization.md

@@ -31,6 +31,8 @@ HASH_ENV = "ASCEND_ADAPTERS_ADMISSION_HASH"  # "0" skips sha256 at serve time (s
 ADMITTED_ENV = "ASCEND_ADAPTERS_ADMITTED"  # set by this module for child processes
 
 EXIT_CODE = 3
+# vLLM CLI invocations that load no model: admission has nothing to check there.
+NO_MODEL_COMMANDS = frozenset({"chat", "complete", "collect-env", "--version", "-v", "--help", "-h"})
 _admitted: tuple[str, str] | None = None
 
 
@@ -96,6 +98,8 @@ def admit_from_env() -> None:
         or _model_from_engine_args()
         or (marker or {}).get("model_dir")
     )
+    if not model and (sys.argv[1:2] and sys.argv[1] in NO_MODEL_COMMANDS or "--help" in sys.argv):
+        return
     if not model:
         _fail(
             f"  ERROR [model-dir-unknown] {MANIFEST_ENV}: cannot tell which model directory to check; "
