@@ -773,3 +773,18 @@ def test_plugin_register_is_free_when_disabled(monkeypatch):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_schema_duplicates_and_dangling_references(templates):
+    from ascend_adapters.common.admission import schema
+
+    _, base = templates["modelslim_dynamic"]
+    m = json.loads(json.dumps(base))
+    m["files"].append(dict(m["files"][0]))
+    m["tensors"].append(dict(m["tensors"][0]))
+    m["tensors"][1]["file"] = "elsewhere.safetensors"
+    m["modelslim"]["description"] = "other.json"
+    r = Report()
+    assert not schema.validate(m, r)
+    text = r.format()
+    assert "listed more than once" in text and "tensors[1].file" in text and "modelslim.description" in text

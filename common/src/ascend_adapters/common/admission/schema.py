@@ -7,6 +7,7 @@ level. Errors name the JSON path of the offending field, e.g.
 
 from __future__ import annotations
 
+import collections
 import re
 from collections.abc import Callable
 
@@ -167,16 +168,12 @@ def validate(manifest: object, report: Report, where: str = "manifest") -> bool:
     if len(report.errors) > before:
         return False
     paths = [f["path"] for f in manifest["files"]]
-    dupes = sorted({p for p in paths if paths.count(p) > 1})
-    for p in dupes:
-        _err(report, f"{where}.files", f"path {p!r} listed more than once")
-    names = [t["name"] for t in manifest["tensors"]]
-    if len(set(names)) != len(names):
-        seen, dup = set(), set()
-        for n in names:
-            (dup if n in seen else seen).add(n)
-        for n in sorted(dup):
-            _err(report, f"{where}.tensors", f"tensor {n!r} listed more than once")
+    for p, n in sorted(collections.Counter(paths).items()):
+        if n > 1:
+            _err(report, f"{where}.files", f"path {p!r} listed more than once")
+    for name, n in sorted(collections.Counter(t["name"] for t in manifest["tensors"]).items()):
+        if n > 1:
+            _err(report, f"{where}.tensors", f"tensor {name!r} listed more than once")
     declared = set(paths)
     for i, t in enumerate(manifest["tensors"]):
         if t["file"] not in declared:
