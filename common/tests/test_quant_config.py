@@ -410,3 +410,74 @@ def test_from_config_accepts_description_and_marker(tmp_path):
     assert marker.description is None
     with pytest.raises(DescriptionError, match="quant_model_description.json"):
         marker.maybe_update_config(str(tmp_path))
+
+
+# -- our exporter ---------------------------------------------------------------------------------
+
+
+def _float_src(tmp_path):
+    from ascend_adapters.common.testing.factory import make_checkpoint
+
+    g = torch.Generator().manual_seed(11)
+    tensors = {"model.norm.weight": torch.ones(32), "lm_head.weight": torch.randn(40, 32, generator=g)}
+    for e in range(3):
+        for p, shape in (("gate_proj", (16, 32)), ("up_proj", (16, 32)), ("down_proj", (32, 16))):
+            tensors[f"model.layers.0.mlp.experts.{e}.{p}.weight"] = torch.randn(*shape, generator=g) * 0.05
+    tensors["model.layers.0.self_attn.o_proj.weight"] = torch.randn(32, 32, generator=g) * 0.05
+    tensors["model.layers.0.self_attn.o_proj.bias"] = torch.randn(32, generator=g) * 0.1
+    return make_checkpoint(tmp_path / "src", {"architectures": ["X"], "vocab_size": 40}, tensors, tokenizer=False)
+
+
+@pytest.mark.parametrize("style, deq", [("new", "int64"), ("old", "float32")])
+def test_export_w8a8_layout_and_math(tmp_path, style, deq):
+    from ascend_adapters.common.testing.modelslim import (
+        ReferenceLinear,
+        effective_float_weight,
+        export_w8a8,
+        load_export,
+    )
+
+    src = _float_src(tmp_path)
+    plan = {"model.layers.*.mlp.experts.*": "W8A8_DYNAMIC", "model.layers.0.self_attn.o_proj": "W8A8"}
+    out = export_w8a8(
+        src,
+        tmp_path / "out",
+        plan,
+        input_ranges={"model.layers.0.self_attn.o_proj": (-1.5, 2.0)},
+        style=style,
+        deq_scale_dtype=deq,
+        max_shard_bytes=4096 if style == "old" else None,
+    )
+    check_export(out)  # the description and the files agree (companions, dtypes)
+    names = sorted(f.name for f in weight_files(out))
+    if style == "new":
+        assert names == ["quant_model_weights-00001-of-00001.safetensors"]
+        assert (out / "quant_model_weights.safetensors.index.json").exists()
+    else:
+        assert len(names) > 1 and all(n.startswith("quant_model_weight_w8a8-") for n in names)
+    tensors, desc = load_export(out)
+    assert desc["model_quant_type"] == "W8A8_MIX" and desc["lm_head.weight"] == "FLOAT"
+    e2 = "model.layers.0.mlp.experts.2.down_proj"
+    assert tensors[e2 + ".weight"].dtype == torch.int8 and tensors[e2 + ".weight_scale"].shape == (32, 1)
+    assert not tensors[e2 + ".weight_offset"].any()
+    o = "model.layers.0.self_attn.o_proj"
+    assert tensors[o + ".deq_scale"].dtype == (torch.int64 if deq == "int64" else torch.float32)
+    assert tensors[o + ".quant_bias"].dtype == torch.int32 and desc[o + ".bias"] == "W8A8"
+    # The exported layers approximate the float ones (per-channel int8 weights, int8 activations).
+    from safetensors.torch import load_file
+
+    src_t = load_file(str(src / "model.safetensors"))
+    for prefix in (e2, o):
+        wf = src_t[prefix + ".weight"]
+        assert (effective_float_weight(tensors, desc, prefix) - wf).abs().max() <= wf.abs().max() / 127
+    x = torch.rand(4, 32) * 3.5 - 1.5
+    y = ReferenceLinear(tensors, desc, o)(x)
+    ref = x @ src_t[o + ".weight"].t() + src_t[o + ".bias"]
+    assert (y - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_export_w8a8_static_needs_input_ranges(tmp_path):
+    from ascend_adapters.common.testing.modelslim import export_w8a8
+
+    with pytest.raises(ValueError, match=r"o_proj: static W8A8 needs its input range"):
+        export_w8a8(_float_src(tmp_path), tmp_path / "out", {"model.layers.0.self_attn.o_proj": "W8A8"})

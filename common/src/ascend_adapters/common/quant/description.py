@@ -14,7 +14,6 @@ top-level metadata keys (``version``, ``model_quant_type``, ``group_size``,
 from __future__ import annotations
 
 import json
-import re
 import struct
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,9 +248,6 @@ def check_export(model_dir: str | Path, description: Description | None = None) 
 
 def _is_tied_lm_head(name: str, tensors: dict) -> bool:
     return name == "lm_head.weight" and "model.embed_tokens.weight" in tensors
-
-
-_EXPERT_RE = re.compile(r"^(?P<base>.*)\.(?P<e>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
 
 
 def expert_prefixes(experts_prefix: str, num_experts: int, projections: tuple[str, ...]) -> list[str]:
