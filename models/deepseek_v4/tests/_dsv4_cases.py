@@ -1,0 +1,135 @@
+"""Shared helpers for the DeepSeek-V4 tests: tiny checkpoints, native-layout conversion, the reference."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny
+
+# DeepSeek's own config keys for the same architecture (as in DeepSeek-V4 releases).
+_NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+
+
+def prompts(lengths, seed: int = 0, vocab: int = 512) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(2, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def hf_model(model_dir):
+    from transformers import DeepseekV4ForCausalLM
+
+    return DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+
+
+def reference_fn(model):
+    """ids -> logits [len(ids), V] from transformers' DeepseekV4ForCausalLM (one uncached forward)."""
+
+    def ref(ids):
+        with torch.no_grad():
+            return model(torch.tensor([list(ids)])).logits[0].float()
+
+    return ref
+
+
+def hf_greedy(model, ids, n: int) -> list[int]:
+    """Greedy continuation by repeated uncached forwards (no generate() cache involved)."""
+    ids, out = list(ids), []
+    ref = reference_fn(model)
+    for _ in range(n):
+        nxt = int(ref(ids)[-1].argmax())
+        out.append(nxt)
+        ids.append(nxt)
+    return out
+
+
+def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
+    """A transformers-saved tiny with HCA rate 128 (expressible in DeepSeek's keys), and its
+    conversion to DeepSeek's native layout: native config keys, native tensor names without the
+    ``model.`` prefix, layer 0 with a fused ``fused_wqa_wkv``, plus MTP tensors the model must skip.
+    Returns (transformers_dir, native_dir)."""
+    from safetensors.torch import load_file, save_file
+
+    hf_dir = make_tiny(
+        out_dir / "hf128",
+        seed=seed,
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+    )
+    native = out_dir / "native"
+    native.mkdir(parents=True, exist_ok=True)
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    out = {}
+    for name, t in tensors.items():
+        n = name.removeprefix("model.")
+        n = {
+            "embed_tokens.weight": "embed.weight",
+            "hc_head.hc_fn": "hc_head_fn",
+            "hc_head.hc_base": "hc_head_base",
+            "hc_head.hc_scale": "hc_head_scale",
+        }.get(n, n)
+        out[n] = t
+    out["layers.0.attn.fused_wqa_wkv.weight"] = torch.cat(
+        [out.pop("layers.0.attn.wq_a.weight"), out.pop("layers.0.attn.wkv.weight")], 0
+    )
+    g = torch.Generator().manual_seed(0)
+    out["mtp.0.enorm.weight"] = torch.ones(TINY_CONFIG["hidden_size"])
+    out["mtp.0.e_proj.weight"] = torch.randn(TINY_CONFIG["hidden_size"], 2 * TINY_CONFIG["hidden_size"], generator=g)
+    out["mtp.0.attn.wq_a.weight"] = torch.randn(64, TINY_CONFIG["hidden_size"], generator=g)
+    save_file(out, str(native / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (hf_dir / f).exists():
+            (native / f).write_bytes((hf_dir / f).read_bytes())
+    c = TINY_CONFIG
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        "vocab_size": c["vocab_size"],
+        "hidden_size": c["hidden_size"],
+        "moe_intermediate_size": c["moe_intermediate_size"],
+        "num_hidden_layers": c["num_hidden_layers"],
+        "num_attention_heads": c["num_attention_heads"],
+        "num_key_value_heads": 1,
+        "head_dim": c["head_dim"],
+        "qk_rope_head_dim": int(c["head_dim"] * c["partial_rotary_factor"]),
+        "q_lora_rank": c["q_lora_rank"],
+        "o_groups": c["o_groups"],
+        "o_lora_rank": c["o_lora_rank"],
+        "n_routed_experts": c["n_routed_experts"],
+        "n_shared_experts": c["n_shared_experts"],
+        "num_experts_per_tok": c["num_experts_per_tok"],
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "norm_topk_prob": True,
+        "routed_scaling_factor": c["routed_scaling_factor"],
+        "swiglu_limit": c["swiglu_limit"],
+        "num_hash_layers": sum(t == "hash_moe" for t in c["mlp_layer_types"]),
+        "sliding_window": c["sliding_window"],
+        # one entry per layer plus one for the MTP layer, as DeepSeek ships it
+        "compress_ratios": [_NATIVE_RATIO[t] for t in c["layer_types"]] + [0],
+        "rope_theta": c["rope_theta"],
+        "compress_rope_theta": c["compress_rope_theta"],
+        "rope_scaling": {
+            "type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 1024,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        "max_position_embeddings": c["max_position_embeddings"],
+        "index_n_heads": c["index_n_heads"],
+        "index_head_dim": c["index_head_dim"],
+        "index_topk": c["index_topk"],
+        "hc_mult": c["hc_mult"],
+        "hc_sinkhorn_iters": c["hc_sinkhorn_iters"],
+        "hc_eps": c["hc_eps"],
+        "num_nextn_predict_layers": 1,
+        "rms_norm_eps": c["rms_norm_eps"],
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+    }
+    (native / "config.json").write_text(json.dumps(cfg, indent=2))
+    return hf_dir, native
