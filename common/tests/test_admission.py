@@ -689,6 +689,19 @@ def test_model_dir_from_argv(argv, expected):
     assert model_dir_from_argv(argv) == expected
 
 
+def test_model_dir_from_argv_options_first_and_config_file(templates, tmp_path):
+    from ascend_adapters.common.admission.hook import model_dir_from_argv
+
+    d, _ = templates["float_single"]
+    d2, _ = templates["float_sharded"]
+    assert model_dir_from_argv(["vllm", "serve", "--port", "1", str(d), "--dtype", "float32"]) == str(d)
+    assert model_dir_from_argv(["vllm", "serve", "--enforce-eager", str(d), "--tokenizer", str(d2)]) is None
+    cfg = tmp_path / "serve.yaml"
+    cfg.write_text(f"model: {d}\nport: 8000\n")
+    assert model_dir_from_argv(["vllm", "serve", "--config", str(cfg)]) == str(d)
+    assert model_dir_from_argv(["vllm", "serve", f"--config={cfg}", "--port", "1"]) == str(d)
+
+
 def test_hook_full_then_quick(templates, tmp_path, monkeypatch, capsys):
     from ascend_adapters.common.admission import hook
 

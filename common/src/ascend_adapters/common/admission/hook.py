@@ -36,19 +36,49 @@ NO_MODEL_COMMANDS = frozenset({"chat", "complete", "collect-env", "--version", "
 _admitted: tuple[str, str] | None = None
 
 
+def _option(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _model_from_config_file(path: str) -> str | None:
+    try:
+        import yaml  # a vLLM dependency; without it a --config model is not found (fail closed)
+
+        with open(path) as f:
+            data = yaml.safe_load(f)
+    except Exception:
+        return None
+    model = data.get("model") if isinstance(data, dict) else None
+    return model if isinstance(model, str) and model else None
+
+
 def model_dir_from_argv(argv: list[str]) -> str | None:
-    """The model of ``vllm serve MODEL ...`` or ``--model MODEL``, else None."""
+    """The model of ``vllm serve MODEL ...``, ``--model MODEL`` or ``--config FILE`` (``model:``), else None.
+
+    When ``serve`` is followed by options first (``vllm serve --port 1 /m``), the one argument that is
+    a directory holding a ``config.json`` is taken; several such directories are ambiguous (None).
+    """
     rest = argv[1:]
     is_serve = "serve" in rest
     if is_serve:
         rest = rest[rest.index("serve") + 1 :]
-    for i, arg in enumerate(rest):
-        if arg == "--model" and i + 1 < len(rest):
-            return rest[i + 1]
-        if arg.startswith("--model="):
-            return arg.split("=", 1)[1]
+    model = _option(rest, "--model")
+    if model:
+        return model
     if is_serve and rest and not rest[0].startswith("-"):
         return rest[0]
+    config = _option(rest, "--config")
+    if config and _model_from_config_file(config):
+        return _model_from_config_file(config)
+    if is_serve:
+        dirs = {os.path.realpath(a): a for a in rest if not a.startswith("-") and os.path.isfile(f"{a}/config.json")}
+        if len(dirs) == 1:
+            return next(iter(dirs.values()))
     return None
 
 
