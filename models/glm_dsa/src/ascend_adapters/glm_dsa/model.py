@@ -453,7 +453,10 @@ class GlmDsaModel(nn.Module):
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
-    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32)."""
+    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports)."""
+
+    # checkpoint shards fused into one vLLM module (quantization configs look types up per shard)
+    packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
