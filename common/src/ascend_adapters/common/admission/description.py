@@ -51,6 +51,9 @@ FEATURE_KEYS = ("kv_cache_type", "fa_quant_type", "indexer_quant_type", "reduce_
 _FEATURE_OFF = (None, "", "FLOAT", "FLOAT16", "BF16", "NONE", "None")
 
 FLOATS = FLOAT_DTYPES - {"F64"}
+# Storage of quantized weights: a tensor described (or admitted) as FLOAT must not use it. Other
+# integer dtypes stay allowed for FLOAT entries (routing buffers such as expert maps are integers).
+QUANTIZED_DTYPES = frozenset({"I8", "U8"})
 # suffix -> (allowed dtypes, shape as a function of (N, K)); required ones per type.
 _COMPANIONS = {
     "W8A8": {
@@ -155,7 +158,7 @@ def check_description(
     for name in undescribed:
         if name in allowed_absent:
             report.note("ms-undescribed", name, f"absent from {where}; admitted as FLOAT as the manifest declares")
-            if tensors[name].dtype not in FLOAT_DTYPES:
+            if tensors[name].dtype in QUANTIZED_DTYPES:
                 report.error("ms-dtype", name, f"undescribed tensor treated as FLOAT has dtype {tensors[name].dtype}")
         else:
             report.error(
@@ -172,7 +175,7 @@ def check_description(
         if name not in tensors:
             continue
         if qtype == "FLOAT":
-            if tensors[name].dtype not in FLOAT_DTYPES:
+            if tensors[name].dtype in QUANTIZED_DTYPES:
                 report.error("ms-dtype", name, f"described as FLOAT but stored as {tensors[name].dtype}")
             continue
         if not name.endswith(".weight"):
