@@ -803,3 +803,30 @@ def test_schema_duplicates_and_dangling_references(templates):
     assert not schema.validate(m, r)
     text = r.format()
     assert "listed more than once" in text and "tensors[1].file" in text and "modelslim.description" in text
+
+
+def test_hook_without_hashing(templates, tmp_path, monkeypatch, capsys):
+    """ASCEND_ADAPTERS_ADMISSION_HASH=0: structure only (a flipped data byte passes, a truncated shard does not)."""
+    from ascend_adapters.common.admission import hook
+
+    d, manifest = templates["float_single"]
+    mpath = tmp_path / "m.json"
+    dump_manifest(manifest, mpath)
+    flipped = copy_artifact(d, tmp_path / "flipped")
+    raw = bytearray((flipped / "model.safetensors").read_bytes())
+    raw[-1] ^= 0xFF
+    (flipped / "model.safetensors").write_bytes(bytes(raw))
+    for var, value in ((hook.MANIFEST_ENV, str(mpath)), (hook.HASH_ENV, "0")):
+        monkeypatch.setenv(var, value)
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.delenv(hook.MODEL_DIR_ENV, raising=False)
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", str(flipped)])
+    hook.admit_from_env()
+    assert "sha256 NOT verified" in capsys.readouterr().err
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.setenv(hook.HASH_ENV, "1")
+    with pytest.raises(SystemExit):
+        hook.admit_from_env()
+    assert "[file-sha256] model.safetensors" in capsys.readouterr().err

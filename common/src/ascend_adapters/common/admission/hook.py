@@ -147,6 +147,10 @@ def admit_from_env() -> None:
 
     quick = marker is not None and marker.get("model_dir") == real and marker.get("full")
     hashes = not quick and os.environ.get(HASH_ENV, "1").strip() != "0"
+    if not quick:
+        what = "sha256 of every file" if hashes else f"no sha256 ({HASH_ENV}=0)"
+        sys.stderr.write(f"ascend-adapters admission: checking {real} against {manifest_path} ({what})\n")
+        sys.stderr.flush()
     report = check_dir(real, manifest_path, verify_hashes=hashes, progress=False)
     if not report.ok:
         _fail(report.format())
