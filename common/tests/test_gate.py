@@ -247,7 +247,7 @@ def test_gate_reports_false_ready(tiny, evidence_root, probe_env, capsys):
     false_ready = checks["dummy: no false ready (requests served after start-up)"]
     assert not false_ready["passed"] and "FALSE READY" in false_ready["detail"]
     assert any("FALSE READY" in n for n in rec["notes"])
-    assert "deliberate failure on the first real forward" in rec["extra"]["stages"]["dummy"]["log_tail"]
+    assert "deliberate failure on the first real forward" in rec["extra"]["stages"]["dummy"]["errors"][0]
     assert any(s["what"] == "real-weight stage" for s in rec["not_run"])
     assert "real" not in rec["extra"]["stages"]
     assert "FALSE READY" in out

@@ -430,6 +430,8 @@ class _Gate:
             verdict, exit_code = "fail", 1
         rec.extra["verdict"] = verdict
         rec.extra["stages"] = self.stages
+        if verdict == "pass":
+            rec.extra["log_dir"] = None  # removed after a pass
         path = rec.write(self.evidence_dir)
         if verdict == "pass":
             shutil.rmtree(self.log_dir, ignore_errors=True)
@@ -539,8 +541,10 @@ class _Gate:
                 _say(f"[gate]   ready after {startup:.1f} s")
                 verdict = self._requests(stage, srv)
                 alive = srv.alive
-                rec.check(f"{stage}: server still running after the requests", alive,
-                          None if alive else f"exit code {srv.proc.returncode}")  # fmt: skip
+                info["alive_after_requests"] = alive
+                if verdict != "false_ready":  # the false-ready check already says the server stopped serving
+                    rec.check(f"{stage}: server still running after the requests", alive,
+                              None if alive else f"exit code {srv.proc.returncode}")  # fmt: skip
                 if not alive and verdict == "pass":
                     verdict = "false_ready"
         finally:
@@ -560,10 +564,9 @@ class _Gate:
                              "failed a request")  # fmt: skip
         _say(f"[gate]   stage {stage}: {verdict.upper().replace('_', ' ')}")
         if verdict != "pass":
-            for line in info.get("log_tail", "").splitlines()[-10:]:
-                _say(f"[gate]   | {line}")
-            if info.get("errors"):
-                _say(f"[gate]   first error in the server log: {_excerpt(info['errors'][0], 400)}")
+            for line in info.get("errors", [])[:3]:
+                _say(f"[gate]   server log error: {_excerpt(line, 400)}")
+            _say(f"[gate]   full server log: {srv.log_path}")
         return verdict
 
     def _spawned(self, stage: str, srv: VllmServer) -> None:
