@@ -63,8 +63,12 @@ def _check_index(root: Path, rel: str, files: Mapping[str, int], headers: Mappin
         report.error("index-json", rel, f"unknown top-level keys {sorted(unknown)}")
     base = rel.rpartition("/")[0]
     referenced: dict[str, set[str]] = {}
+    unsafe: dict[object, bool] = {}
     for name, shard in index["weight_map"].items():
-        if not isinstance(shard, str) or relpath_problem(shard):
+        key = shard if isinstance(shard, str) else id(shard)
+        if key not in unsafe:
+            unsafe[key] = not isinstance(shard, str) or relpath_problem(shard) is not None
+        if unsafe[key]:
             report.error("index-path", f"{rel}:{name}", f"shard reference {shard!r} is not a safe relative path")
             continue
         shard_rel = f"{base}/{shard}" if base else shard
