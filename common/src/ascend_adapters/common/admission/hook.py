@@ -7,9 +7,10 @@ any model module is imported or any weight is read. That is where the full
 check runs (sizes, headers, description, versions and sha256 of every file).
 
 The model directory is taken from, in order: ``ASCEND_ADAPTERS_MODEL_DIR``;
-the command line (``vllm serve DIR`` or ``--model DIR``); the ``model`` of the
-``EngineArgs`` being built (the ``vllm.LLM(...)`` path, where plugins load in
-``EngineArgs.__post_init__``); the directory a parent process admitted.
+the ``model`` of the ``EngineArgs`` being built (the ``vllm.LLM(...)`` path,
+where plugins load in ``EngineArgs.__post_init__``); the command line
+(``vllm serve DIR``, ``--model DIR``, ``--config FILE``); the directory a
+parent process admitted.
 
 A process that passed the full check exports a marker (manifest digest +
 directory) to the processes vLLM starts later (model inspection, engine core,
@@ -124,8 +125,8 @@ def admit_from_env() -> None:
 
     model = (
         os.environ.get(MODEL_DIR_ENV, "").strip()
-        or model_dir_from_argv(sys.argv)
         or _model_from_engine_args()
+        or model_dir_from_argv(sys.argv)
         or (marker or {}).get("model_dir")
     )
     if not model and (sys.argv[1:2] and sys.argv[1] in NO_MODEL_COMMANDS or "--help" in sys.argv):
