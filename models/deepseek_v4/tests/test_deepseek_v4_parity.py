@@ -2,8 +2,8 @@
 
 Logits at every prompt position and generated step within 1e-3, greedy tokens identical, for
 prompts inside the sliding window (16) and up to ~10x beyond it (CSA with indexer top-k and
-HCA carry the long range), batched in one engine call, and again with chunked prefill
-(16-token chunks, so prompts are split mid-window and mid-compression-block).
+HCA carry the long range), batched in one engine call with chunked prefill (16-token chunks,
+so prompts are split mid-window and mid-compression-block).
 """
 
 from __future__ import annotations

@@ -1,0 +1,137 @@
+"""`vllm serve DIR` on DeepSeek-V4 checkpoints, and start-up that fails closed on bad input.
+
+* config.json exactly as transformers saves it, and DeepSeek's own config keys with native tensor
+  names (no ``model.`` prefix, fused ``fused_wqa_wkv``, MTP tensors), both without --hf-overrides;
+  greedy tokens over HTTP equal transformers' greedy continuation.
+* bad inputs: a prompt longer than max_model_len (HTTP 400); a native tensor no rule maps
+  (start-up stops naming it); max_model_len beyond the sliding window with the compressed
+  branches switched off; prefix caching.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from _dsv4_cases import hf_greedy, hf_model, make_native_hca128, prompts
+
+from ascend_adapters.common.server import CPU_TEST_ARGS, ServerStartError, VllmServer
+from ascend_adapters.common.testing.evidence import EvidenceRecord
+from ascend_adapters.deepseek_v4.tiny import make_tiny
+
+N_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dsv4s")
+    tiny = make_tiny(root / "tiny", seed=7)
+    hf128, native = make_native_hca128(root)
+    return {"tiny": tiny, "hf128": hf128, "native": native, "root": root}
+
+
+def _served_ids(srv, ids):
+    r = srv.complete(ids, max_tokens=N_TOKENS, logprobs=1, return_tokens_as_token_ids=True)
+    return [int(t.split(":", 1)[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
+
+
+def _greedy_gate(model_dir, ref_dir, gate, evidence_root, extra_checks=None):
+    rec = EvidenceRecord(model="deepseek_v4", gate=gate)
+    model = hf_model(ref_dir)
+    ps = prompts((6, 40), seed=21)
+    with VllmServer(model_dir, startup_timeout=600) as srv:
+        rec.command(" ".join(srv.cmd))
+        rec.metric("startup_s", round(srv.timings.startup_s, 1))
+        results = []
+        for p in ps:
+            got, want = _served_ids(srv, p), hf_greedy(model, p, N_TOKENS)
+            results.append({"prompt_len": len(p), "served": got, "reference": want})
+        rec.metric("greedy", results)
+        ok = rec.check(
+            "served greedy tokens == transformers greedy", all(r["served"] == r["reference"] for r in results)
+        )
+        if extra_checks:
+            extra_checks(srv, rec)
+    rec.write(evidence_root)
+    assert rec.passed, rec.checks
+    return ok
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_serve_transformers_saved_config(ckpts, evidence_root):
+    def too_long(srv, rec):
+        status, body = srv.request("/v1/completions", {"model": srv.model_name, "prompt": [5] * 300, "max_tokens": 1})
+        rec.check("prompt longer than max_model_len is refused (HTTP 400)", status == 400, str(body)[:300])
+
+    _greedy_gate(ckpts["tiny"], ckpts["tiny"], "serve_transformers_config", evidence_root, too_long)
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_serve_native_deepseek_layout(ckpts, evidence_root):
+    _greedy_gate(ckpts["native"], ckpts["hf128"], "serve_native_layout", evidence_root)
+
+
+def _with_extra_tensor(src, dst):
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    t["layers.1.attn.wq_c.weight"] = torch.zeros(4, 4)
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def _args(max_len="256", *extra):
+    args = list(CPU_TEST_ARGS)
+    args[args.index("--max-model-len") + 1] = max_len
+    return args + list(extra)
+
+
+@pytest.mark.vllm
+def test_startup_fails_closed_on_unmapped_native_tensor(ckpts, evidence_root):
+    """The weights load in the worker: an unknown native tensor stops serving, named in the log."""
+    model = _with_extra_tensor(ckpts["native"], ckpts["root"] / "native_extra")
+    expect = "layers.1.attn.wq_c.weight"
+    rec = EvidenceRecord(model="deepseek_v4", gate="bad_input_unmapped_native_tensor")
+    srv = VllmServer(model, _args(), startup_timeout=400)
+    rec.command(" ".join(srv.cmd))
+    with pytest.raises(ServerStartError):
+        srv.start()
+        srv.stop()
+    log = srv.log_text()
+    rec.check("start-up refused naming the tensor", expect in log and "match no rule" in log, expect)
+    rec.write(evidence_root)
+    assert expect in log and "match no rule" in log, log[-3000:]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("case", ["window_only_beyond_window", "prefix_caching"])
+def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch):
+    """Refused while vLLM builds its config (real vllm.LLM start, in process, before any worker)."""
+    from vllm import LLM
+
+    kwargs = {
+        "dtype": "float32",
+        "enforce_eager": True,
+        "max_model_len": 256,
+        "kv_cache_memory_bytes": 64 << 20,
+        "skip_tokenizer_init": True,
+    }
+    if case == "window_only_beyond_window":
+        monkeypatch.setenv("ASCEND_ADAPTERS_DSV4_COMPRESSED", "0")
+        kwargs["max_model_len"] = 64
+        expect = "exceeds the sliding window (16 tokens)"
+    else:
+        kwargs["enable_prefix_caching"] = True
+        expect = "does not support prefix caching"
+    rec = EvidenceRecord(model="deepseek_v4", gate=f"bad_input_{case}")
+    rec.command(f"vllm.LLM({ckpts['tiny']}, {kwargs})")
+    with pytest.raises(Exception) as info:
+        LLM(model=str(ckpts["tiny"]), **kwargs)
+    msg = f"{type(info.value).__name__}: {info.value}"
+    rec.check("start-up refused with the reason", expect in msg, msg[:500])
+    rec.write(evidence_root)
+    assert expect in msg, msg
