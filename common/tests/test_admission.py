@@ -830,3 +830,25 @@ def test_hook_without_hashing(templates, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         hook.admit_from_env()
     assert "[file-sha256] model.safetensors" in capsys.readouterr().err
+
+
+def test_hook_prefers_engine_args_model_over_argv(templates, tmp_path, monkeypatch, capsys):
+    from ascend_adapters.common.admission import hook
+
+    d, manifest = templates["float_single"]
+    mpath = tmp_path / "m.json"
+    dump_manifest(manifest, mpath)
+    monkeypatch.setenv(hook.MANIFEST_ENV, str(mpath))
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.delenv(hook.MODEL_DIR_ENV, raising=False)
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.setattr(sys, "argv", ["script.py", "--model", str(tmp_path / "unrelated")])
+
+    class MyEngineArgs:  # stands in for vllm's EngineArgs.__post_init__ calling the plugins
+        model = str(d)
+
+        def __post_init__(self):
+            hook.admit_from_env()
+
+    MyEngineArgs().__post_init__()
+    assert f"checking {os.path.realpath(d)}" in capsys.readouterr().err
