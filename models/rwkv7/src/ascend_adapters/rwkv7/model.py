@@ -70,6 +70,9 @@ class _Batch:
     ends: list[int]
     slots: torch.Tensor  # [num_reqs] state-cache rows
     fresh: torch.Tensor  # [num_reqs] bool: no context before this step (state must start at zero)
+    any_fresh: bool
+    first: torch.Tensor  # [num_reqs] index of each sequence's first token
+    last: torch.Tensor  # [num_reqs] index of each sequence's last token
 
     @classmethod
     def from_metadata(cls, md) -> _Batch:
@@ -78,13 +81,19 @@ class _Batch:
         qsl = qsl[: num_reqs + 1]
         q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
         seq_lens = md.seq_lens[:num_reqs].to("cpu", torch.long)
+        fresh = (seq_lens - q_lens) <= 0
+        slots = md.state_indices_tensor[:num_reqs].long()
+        starts = torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device)
         return cls(
             num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
             num_decodes=md.num_decodes,
             starts=qsl[:-1],
             ends=qsl[1:],
-            slots=md.state_indices_tensor[:num_reqs].long(),
-            fresh=(seq_lens - q_lens) <= 0,
+            slots=slots,
+            fresh=fresh.to(slots.device),
+            any_fresh=bool(fresh.any()),
+            first=starts,
+            last=torch.tensor(qsl[1:], dtype=torch.long, device=slots.device) - 1,
         )
 
 
@@ -95,10 +104,8 @@ def _token_shift(x: torch.Tensor, shift_state: torch.Tensor | None, batch: _Batc
     if batch is None:
         prev[0] = 0
         return prev
-    starts = torch.tensor(batch.starts, dtype=torch.long, device=x.device)
-    ends = torch.tensor(batch.ends, dtype=torch.long, device=x.device)
-    prev[starts] = shift_state[batch.slots].to(x.dtype)
-    shift_state[batch.slots] = x[ends - 1].to(shift_state.dtype)
+    prev[batch.first] = shift_state[batch.slots].to(x.dtype)
+    shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
     return prev
 
 
@@ -231,22 +238,25 @@ class Rwkv7Block(nn.Module, MambaBase):
         return state_dtypes(self.model_dtype)
 
     # ---
-    def _batch(self) -> _Batch | None:
+    def _batch(self, cache: dict) -> _Batch | None:
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.prefix)
         if md is None or not self.kv_cache:
             return None
-        return _Batch.from_metadata(md)
+        # layers of one state-cache group share one metadata object: split the batch once per step
+        if id(md) not in cache:
+            cache[id(md)] = _Batch.from_metadata(md)
+        return cache[id(md)]
 
-    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
-        batch = self._batch()
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, batch_cache: dict | None = None):
+        batch = self._batch({} if batch_cache is None else batch_cache)
         if batch is None:
             att_shift = wkv_state = ffn_shift = None
             n = x.shape[0]
         else:
             att_shift, wkv_state, ffn_shift = self.kv_cache
-            if bool(batch.fresh.any()):
+            if batch.any_fresh:
                 fresh = batch.slots[batch.fresh]
                 att_shift[fresh] = 0
                 wkv_state[fresh] = 0
@@ -287,9 +297,9 @@ class Rwkv7Model(nn.Module):
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
         x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        v_first = None
+        v_first, batch_cache = None, {}
         for layer in self.layers:
-            x, v_first = layer(x, v_first)
+            x, v_first = layer(x, v_first, batch_cache)
         return self.norm(x)
 
 
