@@ -49,6 +49,20 @@ def test_transformers_saved_config_is_read_by_vllm_parser(dirs):
     assert cfg.rope_parameters["rope_type"] == "default"  # what vLLM's own checks see
 
 
+def test_config_parser_keeps_commons_modelslim_detection():
+    """Our ``hf`` parser wraps the one registered before it (common's ModelSlim auto-detection)."""
+    from vllm.transformers_utils.config import get_config_parser
+
+    from ascend_adapters.common.quant import register as register_quant
+    from ascend_adapters.deepseek_v4 import register
+
+    register_quant()
+    register()
+    cls = type(get_config_parser("hf"))
+    assert getattr(cls, "_ascend_adapters_deepseek_v4", False)
+    assert getattr(cls, "_ascend_adapters_modelslim", False)
+
+
 def test_native_config_matches_transformers_layout(dirs):
     a = load_transformers_config(dirs["hf128"])
     b = load_transformers_config(dirs["native"])

@@ -124,11 +124,20 @@ def max_exact_len(config) -> int | None:
     return int(config.sliding_window)
 
 
-def _parser_classes():
-    from vllm.transformers_utils.config import HFConfigParser
+def _modelslim_marker(model, config_dict: dict) -> dict | None:
+    """common's ModelSlim auto-detection rule, when common's quant layer is installed."""
+    try:
+        from ascend_adapters.common.quant.detect import modelslim_marker
+    except ImportError:
+        return None
+    return modelslim_marker(model, config_dict)
 
-    class DeepseekV4AwareHFConfigParser(HFConfigParser):
-        """vLLM's HF parser, except that ``deepseek_v4`` is read with transformers' class."""
+
+def _parser_class(base):
+    class DeepseekV4AwareHFConfigParser(base):
+        """The registered ``hf`` parser, except that ``deepseek_v4`` is read with transformers' class."""
+
+        _ascend_adapters_deepseek_v4 = True
 
         def parse(self, model, trust_remote_code, revision=None, code_revision=None, **kwargs):
             config_dict = _read_config_dict(model)
@@ -140,6 +149,9 @@ def _parser_classes():
                 config.update(hf_overrides)
             elif callable(hf_overrides):
                 config = hf_overrides(config)
+            marker = _modelslim_marker(model, config_dict)
+            if marker is not None:
+                config_dict = {**config_dict, "quantization_config": marker}
             return config_dict, config
 
     return DeepseekV4AwareHFConfigParser
@@ -149,15 +161,26 @@ _REGISTERED = False
 
 
 def register_config_hooks() -> None:
-    """Register the ``hf`` config parser and the start-up policy (idempotent)."""
+    """Wrap the registered ``hf`` config parser and add the start-up policy (idempotent).
+
+    Wrapping (not replacing) keeps any parser registered before ours (e.g. common's
+    ModelSlim auto-detection); a parser registered after ours that subclasses it keeps
+    ours, which the class attribute check below recognises.
+    """
     global _REGISTERED
     if _REGISTERED:
         return
     from vllm.transformers_utils.config import get_config_parser, register_config_parser
 
-    current = type(get_config_parser("hf"))
-    if current.__name__ != "DeepseekV4AwareHFConfigParser":
-        register_config_parser("hf")(_parser_classes())
+    base = type(get_config_parser("hf"))
+    if not getattr(base, "_ascend_adapters_deepseek_v4", False):
+        vlog = logging.getLogger("vllm.transformers_utils.config")
+        old = vlog.level
+        vlog.setLevel(logging.ERROR)  # replacing the default parser is the intent
+        try:
+            register_config_parser("hf")(_parser_class(base))
+        finally:
+            vlog.setLevel(old)
 
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
 
@@ -195,6 +218,13 @@ def _policy_class():
                     f"({limit} tokens), and the compressed attention branches (CSA/HCA) are switched off "
                     f"({COMPRESSED_ENV}=0): beyond the window the model would not be exact. Use "
                     f"--max-model-len {limit} or unset {COMPRESSED_ENV}."
+                )
+            quant = model_config.quantization or getattr(hf, "quantization_config", None)
+            if quant:
+                raise ValueError(
+                    f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
+                    f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "
+                    "(e.g. a ModelSlim W8A8 export) is not implemented for DeepSeek-V4 yet."
                 )
             spec = getattr(vllm_config, "speculative_config", None)
             if spec is not None:

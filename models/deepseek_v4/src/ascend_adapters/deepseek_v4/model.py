@@ -267,7 +267,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         lo = max(0, pos0 - W + 1)
         prev_pos = torch.arange(lo, pos0, device=dev)
         if state is not None and prev_pos.numel():
-            prev_kv = state[0][prev_pos % W]
+            prev_kv = state[0][prev_pos % W].to(kv.dtype)
         else:
             prev_pos = prev_pos[:0]
             prev_kv = kv.new_zeros((0, kv.shape[1]))
@@ -304,7 +304,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             if start < pos0:
                 if state is None:
                     raise RuntimeError("DeepSeek-V4 compressor needs earlier positions but no state is bound")
-                old = state[1][torch.arange(start, pos0, device=dev) % ring]
+                old = state[1][torch.arange(start, pos0, device=dev) % ring].to(x.dtype)
                 rows = torch.cat([old, x[: stop - pos0]], 0)
             else:
                 rows = x[start - pos0 : stop - pos0]
@@ -321,7 +321,8 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 state[3][w_first:w_end] = new_i
         keep = min(n, ring)
         state[1][torch.arange(pos0 + n - keep, pos0 + n, device=dev) % ring] = x[-keep:]
-        return state[2][:w_end], (state[3][:w_end] if overlap else None), w_end
+        ent = state[2][:w_end].to(x.dtype)
+        return ent, (state[3][:w_end].to(x.dtype) if overlap else None), w_end
 
     def _index(self, x, qr, qpos, idx_entries, visible):
         """Lightning indexer: keep the top-k visible compressed entries per query."""
