@@ -481,3 +481,31 @@ def test_export_w8a8_static_needs_input_ranges(tmp_path):
 
     with pytest.raises(ValueError, match=r"o_proj: static W8A8 needs its input range"):
         export_w8a8(_float_src(tmp_path), tmp_path / "out", {"model.layers.0.self_attn.o_proj": "W8A8"})
+
+
+@pytest.mark.parametrize("kind", ["W8A8_DYNAMIC", "W8A8"])
+def test_replicated_linear_uses_the_v1_loader(vllm_env, kind):
+    """ReplicatedLinear (used by MLA / DSA projections) loads through vLLM's plain weight loader."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+
+    qc = _config({"m.wq_a.weight": kind})
+    layer = ReplicatedLinear(32, 24, bias=False, quant_config=qc, prefix="m.wq_a", params_dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    t = {"weight": torch.randint(-127, 128, (24, 32), generator=g, dtype=torch.int8)}
+    if kind == "W8A8_DYNAMIC":
+        t |= {"weight_scale": torch.rand(24, 1, generator=g) * 1e-2, "weight_offset": torch.zeros(24, 1)}
+    else:
+        t |= {
+            "input_scale": torch.tensor([0.05]),
+            "input_offset": torch.tensor([-3.0]),
+            "deq_scale": torch.rand(24, generator=g) * 1e-3,
+            "quant_bias": torch.randint(-99, 99, (24,), generator=g, dtype=torch.int32),
+        }
+    for k, v in t.items():
+        _load(layer, k, v)
+    _finish(layer)
+    x = torch.randn(3, 32, generator=g)
+    ref = ReferenceLinear({f"l.{k}": v for k, v in t.items()}, {"l.weight": kind}, "l")(x)
+    torch.testing.assert_close(layer(x)[0], ref, rtol=1e-6, atol=1e-6)
