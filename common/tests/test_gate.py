@@ -151,6 +151,14 @@ def test_gate_dry_run_prints_every_command_and_runs_nothing(tiny, tmp_path, caps
     assert tree_digest(tiny) == before
 
 
+def test_gate_refuses_to_write_into_the_model_dir(tiny, capsys):
+    before = tree_digest(tiny)
+    for option in ("--evidence-dir", "--log-dir"):
+        rc = cli_main(["gate", str(tiny), option, str(tiny / "out"), "--", *SERVE])
+        assert rc == 2 and "inside the model directory" in capsys.readouterr().err
+    assert tree_digest(tiny) == before
+
+
 def test_gate_admission_refuses_corrupted_artifact_before_startup(tiny, tmp_path, evidence_root, capsys):
     model = tmp_path / "corrupt"
     shutil.copytree(tiny, model)
@@ -194,7 +202,8 @@ def test_gate_passes_both_stages_and_writes_record(tiny, tmp_path, evidence_root
 
     rc, out = run_gate_cli([str(tiny), "--architecture", PROBE, "--manifest", str(manifest), "--name", "tiny_llama",
                             "--prompt", "Once upon a time", "--expect", expect, "--max-tokens", "8",
-                            "--evidence-dir", str(evidence_root), "--", *SERVE], capsys)  # fmt: skip
+                            "--evidence-dir", str(evidence_root), "--log-dir", str(tmp_path / "logs"),
+                            "--", *SERVE], capsys)  # fmt: skip
     rec = load_record(evidence_root, "tiny_llama")
     assert rc == 0, rec["checks"]
     assert rec["passed"] and rec["extra"]["verdict"] == "pass"
@@ -234,9 +243,10 @@ def test_gate_passes_both_stages_and_writes_record(tiny, tmp_path, evidence_root
 
 
 @pytest.mark.vllm
-def test_gate_reports_false_ready(tiny, evidence_root, probe_env, capsys):
+def test_gate_reports_false_ready(tiny, tmp_path, evidence_root, probe_env, capsys):
     override = json.dumps({"architectures": [CRASHING]})
     rc, out = run_gate_cli([str(tiny), "--name", "crashing", "--evidence-dir", str(evidence_root),
+                            "--log-dir", str(tmp_path / "logs"),
                             "--", *SERVE, "--hf-overrides", override], capsys)  # fmt: skip
     assert rc == 1
     rec = load_record(evidence_root, "crashing")
@@ -255,8 +265,9 @@ def test_gate_reports_false_ready(tiny, evidence_root, probe_env, capsys):
 
 
 @pytest.mark.vllm
-def test_gate_weight_mapping_bug_caught_only_by_real_stage(tiny, evidence_root, probe_env, capsys):
-    rc, _ = run_gate_cli([str(tiny), "--architecture", MISLOAD, "--name", "misload",
+def test_gate_weight_mapping_bug_caught_only_by_real_stage(tiny, tmp_path, evidence_root, probe_env, capsys):
+    logs = tmp_path / "logs"
+    rc, _ = run_gate_cli([str(tiny), "--architecture", MISLOAD, "--name", "misload", "--log-dir", str(logs),
                           "--evidence-dir", str(evidence_root), "--", *SERVE], capsys)  # fmt: skip
     assert rc == 1
     rec = load_record(evidence_root, "misload")
@@ -267,6 +278,8 @@ def test_gate_weight_mapping_bug_caught_only_by_real_stage(tiny, evidence_root, 
     startup = checks_of(rec)["real: start-up (GET /v1/models 200)"]
     assert not startup["passed"] and "deliberate mapping bug" in startup["detail"]
     assert "model.layers.0.mlp.down_proj.weight" in stages["real"]["errors"][0]  # the root cause comes first
+    assert "deliberate mapping bug" in (logs / "real.log").read_text()
+    assert "deliberate mapping bug" not in (logs / "dummy.log").read_text()
     assert rec["extra"]["verdict"] == "startup_failed" and not rec["passed"]
     assert_servers_gone(rec)
 
@@ -275,7 +288,8 @@ def test_gate_weight_mapping_bug_caught_only_by_real_stage(tiny, evidence_root, 
 def test_gate_sigint_stops_the_server(tiny, evidence_root, tmp_path):
     env = {**os.environ, PROBE_ENV: "1", "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     cmd = [sys.executable, "-m", "ascend_adapters.common.cli", "gate", str(tiny), "--architecture", PROBE,
-           "--name", "interrupted", "--evidence-dir", str(evidence_root), "--", *SERVE]  # fmt: skip
+           "--name", "interrupted", "--evidence-dir", str(evidence_root), "--log-dir", str(tmp_path / "logs"),
+           "--", *SERVE]  # fmt: skip
     gate = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True,
                             start_new_session=True)  # fmt: skip
     out, pid = [], None

@@ -60,6 +60,12 @@ def _options(parser: argparse.ArgumentParser, suppress: bool) -> None:
         default=d("evidence"),
         help="where the record goes: D/<name>/deployment_gate.json + D/index.md (default ./evidence)",
     )
+    parser.add_argument(
+        "--log-dir",
+        metavar="L",
+        default=d(None),
+        help="keep the server logs (dummy.log, real.log) in L (default: a temp dir, removed after a pass)",
+    )
     parser.add_argument("--name", default=d(None), help="model name in the record (default: the directory name)")
     parser.add_argument(
         "--dry-run",
@@ -137,6 +143,7 @@ def cmd_gate(args: argparse.Namespace) -> int:
         request_timeout=args.request_timeout,
         max_tokens=args.max_tokens,
         verify_hashes=args.verify_hashes,
+        log_dir=args.log_dir,
     )
     try:
         return run_gate(opts).exit_code

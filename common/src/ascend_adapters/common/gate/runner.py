@@ -91,6 +91,7 @@ class GateOptions:
     request_timeout: float = 600.0
     max_tokens: int = 32
     verify_hashes: bool = True
+    log_dir: str | os.PathLike | None = None  # keep server logs here (default: a temp dir, removed after a pass)
     env: dict[str, str] = field(default_factory=dict)
 
 
@@ -296,6 +297,10 @@ class _Gate:
         if evidence == self.model_dir or self.model_dir in evidence.parents:
             raise UsageError(f"--evidence-dir {opts.evidence_dir} is inside the model directory; the gate never "
                              "writes there")  # fmt: skip
+        if opts.log_dir:
+            logs = Path(opts.log_dir).expanduser().resolve()
+            if logs == self.model_dir or self.model_dir in logs.parents:
+                raise UsageError(f"--log-dir {opts.log_dir} is inside the model directory; the gate never writes there")
         self.evidence_dir = evidence
         self.config = read_config(self.model_dir)
         archs = self.config.get("architectures") or []
@@ -400,7 +405,11 @@ class _Gate:
             handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 handlers[sig] = signal.signal(sig, _raise_interrupt)
-        self.log_dir = Path(tempfile.mkdtemp(prefix="ascend-adapters-gate-"))
+        if self.opts.log_dir:
+            self.log_dir = Path(self.opts.log_dir).expanduser().resolve()
+            self.log_dir.mkdir(parents=True, exist_ok=True)
+        else:
+            self.log_dir = Path(tempfile.mkdtemp(prefix="ascend-adapters-gate-"))
         rec.extra["log_dir"] = str(self.log_dir)
         _say(f"[gate] model {self.model_dir}; architecture {self.expected_arch or '?'}; "
              f"evidence -> {self.evidence_dir}")  # fmt: skip
@@ -430,10 +439,11 @@ class _Gate:
             verdict, exit_code = "fail", 1
         rec.extra["verdict"] = verdict
         rec.extra["stages"] = self.stages
-        if verdict == "pass":
+        remove_logs = verdict == "pass" and not self.opts.log_dir
+        if remove_logs:
             rec.extra["log_dir"] = None  # removed after a pass
         path = rec.write(self.evidence_dir)
-        if verdict == "pass":
+        if remove_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
             rec_logs = ""
         else:
