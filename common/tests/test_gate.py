@@ -178,6 +178,7 @@ def test_gate_admission_refuses_corrupted_artifact_before_startup(tiny, tmp_path
     rec = load_record(evidence_root, "corrupt")
     assert rec["extra"]["verdict"] == "admission_refused" and not rec["passed"]
     assert rec["extra"]["stages"] == {}  # no server was started
+    assert rec["extra"]["log_dir"] is None
     assert not any(" serve " in c for c in rec["commands"])
     assert [c["name"] for c in rec["checks"]] == ["admission: model directory matches the manifest"]
     problems = rec["extra"]["admission"]["problems"]

@@ -405,12 +405,7 @@ class _Gate:
             handlers[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 handlers[sig] = signal.signal(sig, _raise_interrupt)
-        if self.opts.log_dir:
-            self.log_dir = Path(self.opts.log_dir).expanduser().resolve()
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-        else:
-            self.log_dir = Path(tempfile.mkdtemp(prefix="ascend-adapters-gate-"))
-        rec.extra["log_dir"] = str(self.log_dir)
+        rec.extra["log_dir"] = None
         _say(f"[gate] model {self.model_dir}; architecture {self.expected_arch or '?'}; "
              f"evidence -> {self.evidence_dir}")  # fmt: skip
         try:
@@ -439,15 +434,15 @@ class _Gate:
             verdict, exit_code = "fail", 1
         rec.extra["verdict"] = verdict
         rec.extra["stages"] = self.stages
-        remove_logs = verdict == "pass" and not self.opts.log_dir
+        remove_logs = verdict == "pass" and not self.opts.log_dir and self.log_dir is not None
         if remove_logs:
             rec.extra["log_dir"] = None  # removed after a pass
         path = rec.write(self.evidence_dir)
+        rec_logs = ""
         if remove_logs:
             shutil.rmtree(self.log_dir, ignore_errors=True)
-            rec_logs = ""
-        else:
-            rec_logs = f"; server logs kept in {self.log_dir}"
+        elif self.log_dir is not None:
+            rec_logs = f"; server logs in {self.log_dir}"
         failed = [c["name"] for c in rec.checks if not c["passed"]]
         _say(f"[gate] {'PASS' if verdict == 'pass' else 'FAIL (' + verdict + ')'}: "
              f"{len(rec.checks) - len(failed)}/{len(rec.checks)} checks passed; evidence {path}{rec_logs}")  # fmt: skip
@@ -516,7 +511,7 @@ class _Gate:
         self.stages[stage] = info
         srv = _GateServer(self.model_dir, self.stage_args(stage), env=self.opts.env,
                           startup_timeout=self.opts.startup_timeout, port=self.port,
-                          log_path=self.log_dir / f"{stage}.log")  # fmt: skip
+                          log_path=self._logs() / f"{stage}.log")  # fmt: skip
         if not self.cpu_engine:
             srv.env = {**os.environ, **self.opts.env}
         if self.served_name:
@@ -578,6 +573,17 @@ class _Gate:
                 _say(f"[gate]   server log error: {_excerpt(line, 400)}")
             _say(f"[gate]   full server log: {srv.log_path}")
         return verdict
+
+    def _logs(self) -> Path:
+        """The server-log directory, made when the first server is about to start."""
+        if self.log_dir is None:
+            if self.opts.log_dir:
+                self.log_dir = Path(self.opts.log_dir).expanduser().resolve()
+                self.log_dir.mkdir(parents=True, exist_ok=True)
+            else:
+                self.log_dir = Path(tempfile.mkdtemp(prefix="ascend-adapters-gate-"))
+            self.rec.extra["log_dir"] = str(self.log_dir)
+        return self.log_dir
 
     def _spawned(self, stage: str, srv: VllmServer) -> None:
         self.stages[stage]["pid"] = srv.proc.pid
