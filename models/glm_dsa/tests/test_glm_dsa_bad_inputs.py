@@ -165,3 +165,17 @@ def test_bad_inputs_refused_by_vllm(base_ckpt, tmp_path, evidence_root):
     assert ok, log
     rec.command("vllm.LLM(...) start-up on three broken variants of the tiny checkpoint")
     rec.write(evidence_root)
+
+
+def test_registration_switch(monkeypatch):
+    from ascend_adapters import glm_dsa
+
+    monkeypatch.setenv(glm_dsa.ENABLE_ENV, "off")
+    assert not glm_dsa.enabled()
+    monkeypatch.setenv(glm_dsa.ENABLE_ENV, "on")
+    assert glm_dsa.enabled()
+    monkeypatch.setenv(glm_dsa.ENABLE_ENV, "auto")
+    assert glm_dsa.enabled()  # CPU has no native sparse-MLA path
+    monkeypatch.setenv(glm_dsa.ENABLE_ENV, "sometimes")
+    with pytest.raises(ValueError, match=glm_dsa.ENABLE_ENV):
+        glm_dsa.enabled()

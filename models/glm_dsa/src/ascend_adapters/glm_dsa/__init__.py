@@ -1,10 +1,12 @@
 """ascend-adapters glm_dsa: the `vllm.general_plugins` hook.
 
 vLLM calls `register()` in every process it starts, so it stays idempotent and
-cheap: lazy "module:Class" registration, no torch import.
+cheap: lazy "module:Class" registration, no model import.
 
-Set ``ASCEND_ADAPTERS_GLM_DSA_DISABLE=1`` to keep vLLM's own class (platforms
-with a native sparse-MLA path); see ``config.py`` for the attention-path switch.
+``ASCEND_ADAPTERS_GLM_DSA`` decides whether this adapter's class serves
+``GlmMoeDsaForCausalLM``: ``auto`` (default) on platforms without vLLM's native
+sparse-MLA path (Ascend NPU, CPU; i.e. not CUDA/ROCm), ``on`` everywhere,
+``off`` never (vLLM's own class). See ``config.py`` for the attention-path switch.
 """
 
 from __future__ import annotations
@@ -16,15 +18,28 @@ ARCHITECTURES: dict[str, str] = {
     "GlmMoeDsaForCausalLM": "ascend_adapters.glm_dsa.model:GlmMoeDsaForCausalLM",
 }
 
-DISABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA_DISABLE"
+ENABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA"
+
+
+def enabled() -> bool:
+    raw = os.environ.get(ENABLE_ENV, "auto").strip().lower()
+    if raw in {"0", "off", "false", "no"}:
+        return False
+    if raw in {"1", "on", "true", "yes", "force"}:
+        return True
+    if raw not in {"", "auto"}:
+        raise ValueError(f"{ENABLE_ENV}={raw!r}: expected auto, on or off")
+    from vllm.platforms import current_platform
+
+    # CUDA/ROCm builds of vLLM have native sparse-MLA kernels for this architecture
+    return not current_platform.is_cuda_alike()
 
 
 def register() -> None:
-    if os.environ.get(DISABLE_ENV, "").strip().lower() in {"1", "true", "yes", "on"}:
+    if not enabled():
         return
     from ascend_adapters.common.registry import register_architectures
-
-    register_architectures(ARCHITECTURES)
     from ascend_adapters.glm_dsa.arch import install
 
+    register_architectures(ARCHITECTURES)
     install()

@@ -12,8 +12,9 @@ Environment:
   ``0``/``off`` disables the sparse path (start-up then refuses any
   ``max_model_len`` above ``index_topk``); ``force`` uses the sparse path even
   for short contexts (benchmarks, tests).
-* ``ASCEND_ADAPTERS_GLM_DSA_DISABLE=1``: the plugin does not register its class
-  (vLLM's own ``GlmMoeDsaForCausalLM`` is used, e.g. on GPUs with sparse MLA).
+* ``ASCEND_ADAPTERS_GLM_DSA`` (``auto``/``on``/``off``, in ``__init__.py``): whether the
+  plugin registers its class at all (``auto``: not on CUDA/ROCm, which have
+  vLLM's native sparse-MLA path).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ import os
 from pathlib import Path
 
 SPARSE_ENV = "ASCEND_ADAPTERS_GLM_DSA_SPARSE"
-DISABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA_DISABLE"
 
 
 class AttentionMode(str, enum.Enum):

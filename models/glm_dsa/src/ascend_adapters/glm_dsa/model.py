@@ -52,7 +52,8 @@ from ascend_adapters.glm_dsa.config import (
 )
 from ascend_adapters.glm_dsa.remap import glm_dsa_rules
 
-logger = logging.getLogger("ascend_adapters")
+# a child of vLLM's logger, so the path choice and the weight report show in vLLM's log
+logger = logging.getLogger("vllm.ascend_adapters.glm_dsa")
 
 
 def _yarn_mscale(scale: float, mscale: float) -> float:
