@@ -193,3 +193,34 @@ def test_vllm_serve_autoselects_modelslim(exports, evidence_root):
     assert selected, log[-3000:]
     tokens = body["choices"][0].get("token_ids")
     assert tokens is None or len(tokens) == 6
+
+
+def test_static_export_tensor_parallel_2(exports, evidence_root):
+    """TP=2: column-parallel scales/quant_bias are sharded, and in row-parallel layers (o_proj, down_proj,
+    whose quant_bias folds a non-zero input_offset) only rank 0 adds quant_bias."""
+    import os
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        pytest.skip("tensor parallelism 2 needs two CPUs")
+    export = exports["static"]
+    prompts = _prompts()[:2]
+    rec = EvidenceRecord(model="common-quant", gate="modelslim-w8a8-static-tiny-llama-tp2")
+    rec.command("vllm.LLM(model=<static export>, quantization='modelslim', tensor_parallel_size=2)")
+    (results,) = vllm_logits(
+        export,
+        [prompts],
+        max_tokens=4,
+        llm_kwargs={"quantization": "modelslim", "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
+        env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"},
+    )
+    rep = compare(results, _reference(patch_linears(_hf_model(export), export)))
+    ok = rec.check(
+        "TP=2 logits match the single-process plain-torch reference",
+        rep.max_abs_diff <= REF_MAX_ABS and rep.tokens_identical,
+        {"max_abs_diff": rep.max_abs_diff},
+    )
+    rec.metric("reference_max_abs_logit_diff", rep.max_abs_diff)
+    rec.write(evidence_root)
+    print(f"static TP=2: reference max|d|={rep.max_abs_diff:.3g}")
+    assert ok, rep.as_dict()
