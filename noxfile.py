@@ -81,7 +81,17 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: bool
 
 def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
     args = session.posargs or []
-    session.run(str(python), "-m", "pytest", "-ra", *paths, *args, env={**TEST_ENV, **(extra_env or {})}, external=True)
+    session.run(
+        str(python),
+        "-m",
+        "pytest",
+        "-ra",
+        "--durations=15",
+        *paths,
+        *args,
+        env={**TEST_ENV, **(extra_env or {})},
+        external=True,
+    )
 
 
 def _tests_of(pkgs: list[str]) -> list[str]:
