@@ -41,6 +41,10 @@ def _ids(n, vocab, seed):
     return [rng.randrange(1, vocab) for _ in range(n)]
 
 
+def _progress(what, value):
+    print(f"[bench] {what}: {value}", file=sys.stderr, flush=True)
+
+
 # ---------------------------------------------------------------- rwkv package (subprocess side)
 def _rwkv_worker(spec_path: str, out_path: str) -> int:
     import torch
@@ -78,7 +82,9 @@ def _rwkv_worker(spec_path: str, out_path: str) -> int:
 
         # best of `reps`: the machine may be shared
         res["decode_b1_tok_s"] = max(decode_b1() for _ in range(reps))
+        _progress("rwkv decode b1", res["decode_b1_tok_s"])
         res["decode_b8_tok_s"] = max(decode_b8() for _ in range(reps))
+        _progress("rwkv decode b8", res["decode_b8_tok_s"])
         # prefill: token by token, and the package's own sequence forward
         long = spec["prefill_prompt"]
         t0 = time.perf_counter()
@@ -86,6 +92,7 @@ def _rwkv_worker(spec_path: str, out_path: str) -> int:
         for tok in long:
             _, state = model.forward([tok], state)
         res["prefill_token_by_token_s"] = time.perf_counter() - t0
+        _progress("rwkv prefill token-by-token s", res["prefill_token_by_token_s"])
         seq_times = []
         for _ in range(reps):
             t0 = time.perf_counter()
@@ -123,7 +130,7 @@ def run_rwkv_package(pth, prompt, prefill_prompt, decode_tokens, vocab, contexts
             [sys.executable, __file__, "--_rwkv-worker", str(spec), str(out)], env=env, capture_output=True, text=True
         )
         if proc.returncode != 0:
-            raise RuntimeError(f"rwkv package worker failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+            raise RuntimeError(f"rwkv package worker failed (exit {proc.returncode}):\n{proc.stdout[-2000:]}")
         return json.loads(out.read_text())
 
 
@@ -155,6 +162,7 @@ def run_vllm(model_dir, prompt, prefill_prompt, decode_tokens, vocab, contexts, 
         t1 = min(gen(prompts, 1) for _ in range(repeats))
         tn = min(gen(prompts, decode_tokens + 1) for _ in range(repeats))
         res[f"decode_b{batch}_tok_s"] = batch * decode_tokens / max(tn - t1, 1e-9)
+        _progress(f"vllm decode b{batch}", res[f"decode_b{batch}_tok_s"])
     t_pre = min(gen([prefill_prompt], 1) for _ in range(repeats))
     res["prefill_chunked_s"] = t_pre
 
