@@ -509,3 +509,23 @@ def test_replicated_linear_uses_the_v1_loader(vllm_env, kind):
     x = torch.randn(3, 32, generator=g)
     ref = ReferenceLinear({f"l.{k}": v for k, v in t.items()}, {"l.weight": kind}, "l")(x)
     torch.testing.assert_close(layer(x)[0], ref, rtol=1e-6, atol=1e-6)
+
+
+def test_split_fused_experts_and_record_input_ranges():
+    from ascend_adapters.common.testing.modelslim import record_input_ranges, split_fused_experts
+
+    g = torch.Generator().manual_seed(9)
+    gate_up, down = torch.randn(3, 8, 4, generator=g), torch.randn(3, 4, 4, generator=g)
+    out = dict(split_fused_experts("m.experts.gate_up_proj", gate_up))
+    out |= dict(split_fused_experts("m.experts.down_proj", down))
+    out |= dict(split_fused_experts("m.norm.weight", torch.ones(4)))
+    assert torch.equal(out["m.experts.2.gate_proj.weight"], gate_up[2, :4])
+    assert torch.equal(out["m.experts.2.up_proj.weight"], gate_up[2, 4:])
+    assert torch.equal(out["m.experts.1.down_proj.weight"], down[1]) and "m.norm.weight" in out
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    xs = [torch.randn(5, 4, generator=g) for _ in range(3)]
+    r = record_input_ranges(model, xs)
+    assert r["0"] == (min(float(x.min()) for x in xs), max(float(x.max()) for x in xs))
+    assert r["2"][0] >= 0  # after ReLU
+    assert set(record_input_ranges(model, xs, ["2"])) == {"2"}

@@ -22,6 +22,7 @@ from ascend_adapters.common.testing.modelslim import (  # noqa: E402
     export_w8a8,
     load_export,
     patch_linears,
+    split_fused_experts,
 )
 from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
 
@@ -59,20 +60,7 @@ def _float_checkpoint(out_dir):
                 p.copy_(torch.randn_like(p) * 0.5)
             else:
                 p.copy_(torch.randn_like(p) * 0.05)
-    tensors = {}
-    for name, t in model.state_dict().items():
-        if name.endswith("mlp.experts.gate_up_proj"):
-            base = name[: -len("gate_up_proj")]
-            for e in range(E):
-                gate, up = t[e].chunk(2, dim=0)
-                tensors[f"{base}{e}.gate_proj.weight"] = gate.clone()
-                tensors[f"{base}{e}.up_proj.weight"] = up.clone()
-        elif name.endswith("mlp.experts.down_proj"):
-            base = name[: -len("down_proj")]
-            for e in range(E):
-                tensors[f"{base}{e}.down_proj.weight"] = t[e].clone()
-        else:
-            tensors[name] = t.clone()
+    tensors = {k: v for name, t in model.state_dict().items() for k, v in split_fused_experts(name, t.clone())}
     make_checkpoint(out_dir, cfg, tensors)
     return model
 

@@ -306,6 +306,54 @@ def export_w8a8(
     return out_dir
 
 
+def split_fused_experts(name: str, tensor) -> Iterable[tuple[str, object]]:
+    """``transform`` for ``export_w8a8``: transformers' fused expert tensors -> ModelSlim per-expert names.
+
+    ``<p>.experts.gate_up_proj [E, 2I, H]`` -> ``<p>.experts.{e}.gate_proj.weight`` / ``up_proj.weight``;
+    ``<p>.experts.down_proj [E, H, I]`` -> ``<p>.experts.{e}.down_proj.weight``; other tensors unchanged.
+    """
+    if name.endswith(".experts.gate_up_proj") and tensor.dim() == 3:
+        base = name[: -len("gate_up_proj")]
+        for e in range(tensor.shape[0]):
+            gate, up = tensor[e].chunk(2, dim=0)
+            yield f"{base}{e}.gate_proj.weight", gate.contiguous()
+            yield f"{base}{e}.up_proj.weight", up.contiguous()
+    elif name.endswith(".experts.down_proj") and tensor.dim() == 3:
+        base = name[: -len("down_proj")]
+        for e in range(tensor.shape[0]):
+            yield f"{base}{e}.down_proj.weight", tensor[e].contiguous()
+    else:
+        yield name, tensor
+
+
+def record_input_ranges(model, inputs: Iterable, prefixes: Iterable[str] | None = None) -> dict:
+    """``prefix -> (min, max)`` of every ``nn.Linear`` input while ``model(x)`` runs on each of ``inputs``
+    (for ``export_w8a8(..., input_ranges=...)`` with static W8A8). ``prefixes``: fnmatch filters."""
+    import torch
+
+    pats = list(prefixes) if prefixes is not None else ["*"]
+    ranges: dict[str, list[float]] = {}
+    hooks = []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and any(fnmatch.fnmatchcase(name, p) for p in pats):
+
+            def hook(_m, args, _out, name=name):
+                x = args[0].detach()
+                lo, hi = float(x.min()), float(x.max())
+                r = ranges.setdefault(name, [lo, hi])
+                r[0], r[1] = min(r[0], lo), max(r[1], hi)
+
+            hooks.append(mod.register_forward_hook(hook))
+    try:
+        with torch.no_grad():
+            for x in inputs:
+                model(x)
+    finally:
+        for h in hooks:
+            h.remove()
+    return {k: (v[0], v[1]) for k, v in ranges.items()}
+
+
 # -- plain-torch reference ------------------------------------------------------------------------
 def load_export(export_dir: str | os.PathLike) -> tuple[dict, dict]:
     """``(tensors, description)`` of an export."""
