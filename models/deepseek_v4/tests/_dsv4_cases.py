@@ -133,3 +133,74 @@ def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
     }
     (native / "config.json").write_text(json.dumps(cfg, indent=2))
     return hf_dir, native
+
+
+# ModelSlim W8A8_DYNAMIC plan for the tiny model (native export names; fnmatch on the linear prefix):
+# attention projections, shared and routed experts. Router, compressor/indexer projections (kept in
+# float by transformers' own DeepSeek-V4 loading as well), the grouped wo_a, embeddings and head stay FLOAT.
+W8A8_PLAN = {
+    "*.attn.wq_a": "W8A8_DYNAMIC",
+    "*.attn.wkv": "W8A8_DYNAMIC",
+    "*.attn.wq_b": "W8A8_DYNAMIC",
+    "*.attn.wo_b": "W8A8_DYNAMIC",
+    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
+    "*.ffn.experts.*": "W8A8_DYNAMIC",
+}
+
+# native linear name -> transformers module path (an explicit table, independent of the adapter's remap)
+_NATIVE_TO_HF = {
+    "attn.wq_a": "self_attn.q_a_proj",
+    "attn.wkv": "self_attn.kv_proj",
+    "attn.wq_b": "self_attn.q_b_proj",
+    "attn.wo_b": "self_attn.o_b_proj",
+    "ffn.shared_experts.w1": "mlp.shared_experts.gate_proj",
+    "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
+    "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
+}
+
+
+def w8a8_reference(float_dir, export_dir):
+    """transformers' DeepseekV4ForCausalLM with every quantized linear of the export replaced by common's
+    plain-torch ``ReferenceLinear`` (documented W8A8_DYNAMIC math: per-token int8 activations, exact
+    integer product, per-channel weight scales), routed experts included."""
+    import re
+    import types
+
+    import torch.nn.functional as F
+
+    from ascend_adapters.common.testing.modelslim import ReferenceLinear, _module_class, load_export
+
+    model = hf_model(float_dir)
+    tensors, desc = load_export(export_dir)
+    wrap = _module_class()
+    experts: dict[int, dict] = {}
+    for key, kind in desc.items():
+        if not (isinstance(kind, str) and key.endswith(".weight") and kind == "W8A8_DYNAMIC"):
+            continue
+        prefix = key[: -len(".weight")]
+        m = re.match(r"model\.layers\.(\d+)\.(.*)$", prefix)
+        layer, rest = int(m.group(1)), m.group(2)
+        e = re.match(r"ffn\.experts\.(\d+)\.(w[123])$", rest)
+        if e:
+            experts.setdefault(layer, {})[(int(e.group(1)), e.group(2))] = ReferenceLinear(tensors, desc, prefix)
+            continue
+        path = _NATIVE_TO_HF[rest]
+        parent, _, child = path.rpartition(".")
+        setattr(model.model.layers[layer].get_submodule(parent), child, wrap(ReferenceLinear(tensors, desc, prefix)))
+
+    for layer, refs in experts.items():
+        mod = model.model.layers[layer].mlp.experts
+
+        def forward(self, hidden, top_k_index, top_k_weights, refs=refs):
+            out = torch.zeros_like(hidden)
+            for t in range(hidden.shape[0]):
+                for j in range(top_k_index.shape[1]):
+                    ex = int(top_k_index[t, j])
+                    h = hidden[t : t + 1]
+                    g = refs[(ex, "w1")](h).clamp(max=self.limit)
+                    u = refs[(ex, "w3")](h).clamp(min=-self.limit, max=self.limit)
+                    out[t] += (refs[(ex, "w2")](F.silu(g) * u) * top_k_weights[t, j])[0]
+            return out
+
+        mod.forward = types.MethodType(forward, mod)
+    return model

@@ -50,16 +50,13 @@ def _run(tiny, evidence_root, gate, llm_kwargs):
 
 @pytest.mark.vllm
 @pytest.mark.gate
-def test_parity_batched_beyond_window(tiny, evidence_root):
-    _run(tiny, evidence_root, "parity_batched", {})
-
-
-@pytest.mark.vllm
-@pytest.mark.gate
-def test_parity_chunked_prefill(tiny, evidence_root):
+def test_parity_batched_chunked_prefill_beyond_window(tiny, evidence_root):
+    """All four prompts in one engine call with a 16-token scheduler budget: prompts are split across
+    steps and share steps with other requests' decodes (whole-prompt prefill is covered by the serve
+    tests)."""
     _run(
         tiny,
         evidence_root,
-        "parity_chunked_prefill",
+        "parity_batched_chunked_prefill",
         {"max_num_batched_tokens": 16, "enable_chunked_prefill": True, "max_num_seqs": 4},
     )

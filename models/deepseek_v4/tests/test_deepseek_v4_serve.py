@@ -107,8 +107,38 @@ def test_startup_fails_closed_on_unmapped_native_tensor(ckpts, evidence_root):
     assert expect in log and "match no rule" in log, log[-3000:]
 
 
+def _w8a8_export(ckpts, name, edit):
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    from ascend_adapters.common.testing.modelslim import export_w8a8
+
+    out = ckpts["root"] / name
+    if out.exists():
+        return out
+    export_w8a8(ckpts["tiny"], out, {"*.attn.wq_b": "W8A8_DYNAMIC", "*.ffn.experts.*": "W8A8_DYNAMIC"})
+    desc_path = out / "quant_model_description.json"
+    desc = json.loads(desc_path.read_text())
+    if edit == "unknown_type":
+        desc["model.layers.0.attn.wq_b.weight"] = "W4A16_GROUPED"
+        desc_path.write_text(json.dumps(desc))
+    else:  # drop a companion from the weight files; the description still lists it
+        (f,) = out.glob("quant_model_weights-*.safetensors")
+        t = load_file(str(f))
+        del t["model.layers.0.attn.wq_b.weight_scale"]
+        save_file(t, str(f), metadata={"format": "pt"})
+        idx_path = out / "quant_model_weights.safetensors.index.json"
+        idx = json.loads(idx_path.read_text())
+        idx["weight_map"].pop("model.layers.0.attn.wq_b.weight_scale", None)
+        idx_path.write_text(json.dumps(idx))
+    return out
+
+
 @pytest.mark.vllm
-@pytest.mark.parametrize("case", ["window_only_beyond_window", "prefix_caching", "modelslim_w8a8_export"])
+@pytest.mark.parametrize(
+    "case", ["window_only_beyond_window", "prefix_caching", "w8a8_unknown_quant_type", "w8a8_missing_companion"]
+)
 def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch):
     """Refused while vLLM builds its config (real vllm.LLM start, in process, before any worker)."""
     from vllm import LLM
@@ -120,6 +150,7 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
         "kv_cache_memory_bytes": 64 << 20,
         "skip_tokenizer_init": True,
     }
+    model = ckpts["tiny"]
     if case == "window_only_beyond_window":
         monkeypatch.setenv("ASCEND_ADAPTERS_DSV4_COMPRESSED", "0")
         kwargs["max_model_len"] = 64
@@ -127,14 +158,12 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
     elif case == "prefix_caching":
         kwargs["enable_prefix_caching"] = True
         expect = "does not support prefix caching"
-    else:  # W8A8 is not implemented for this model yet: a ModelSlim export must not load as float
-        from ascend_adapters.common.testing.modelslim import export_w8a8
-
-        model = ckpts["root"] / "w8a8"
-        if not model.exists():
-            export_w8a8(ckpts["tiny"], model, {"*.attn.wq_b": "W8A8_DYNAMIC", "*.ffn.experts.*": "W8A8_DYNAMIC"})
-        expect = "serves float checkpoints only"
-    model = ckpts["tiny"] if case != "modelslim_w8a8_export" else model
+    elif case == "w8a8_unknown_quant_type":
+        model = _w8a8_export(ckpts, "w8a8_unknown", "unknown_type")
+        expect = "model.layers.0.attn.wq_b.weight' has unknown quantization type 'W4A16_GROUPED'"
+    else:
+        model = _w8a8_export(ckpts, "w8a8_missing", "missing_companion")
+        expect = "model.layers.0.attn.wq_b.weight_scale: missing companion"
     rec = EvidenceRecord(model="deepseek_v4", gate=f"bad_input_{case}")
     rec.command(f"vllm.LLM({model}, {kwargs})")
     with pytest.raises(Exception) as info:

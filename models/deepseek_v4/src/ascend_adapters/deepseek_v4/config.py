@@ -220,7 +220,8 @@ def _policy_class():
                     f"--max-model-len {limit} or unset {COMPRESSED_ENV}."
                 )
             quant = model_config.quantization or getattr(hf, "quantization_config", None)
-            if quant:
+            method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
+            if quant and method != "modelslim":
                 raise ValueError(
                     f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
                     f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "

@@ -206,6 +206,41 @@ def moe_experts(
     return out
 
 
+@dispatch.portable("dsv4.moe_experts_w8a8_dynamic")
+def moe_experts_w8a8_dynamic(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    limit: float | None,
+) -> torch.Tensor:
+    """ModelSlim W8A8_DYNAMIC routed experts: int8 weights with per-channel scales, per-token int8
+    activations (common's ``modelslim.w8a8_dynamic_linear``) for both expert projections."""
+    from ascend_adapters.common.quant import kernels as _modelslim_kernels  # noqa: F401  (registers the op)
+
+    lin = dispatch.op("modelslim.w8a8_dynamic_linear")
+    out = torch.zeros_like(x)
+    flat_ids = ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    tok = order // ids.shape[1]
+    wts = weights.reshape(-1)[order]
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        idx = tok[start : start + c]
+        gu = lin(x[idx], w13[e], w13_scale[e].reshape(-1))
+        g, u = gu.chunk(2, dim=-1)
+        h = lin(clipped_swiglu(g, u, limit), w2[e], w2_scale[e].reshape(-1)) * wts[start : start + c, None].to(x.dtype)
+        out.index_add_(0, idx, h)
+        start += c
+    return out
+
+
 # ---------------------------------------------------------------- attention
 @dispatch.portable("dsv4.sink_attention")
 def sink_attention(

@@ -44,7 +44,7 @@ from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled, rope_sets
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
-from ascend_adapters.deepseek_v4.remap import build_remapper
+from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer
 
 op = dispatch.op
 
@@ -374,6 +374,28 @@ class DeepseekV4Attention(nn.Module, MambaBase):
 
 
 # ---------------------------------------------------------------- MoE
+def _experts_quant_type(quant_config, prefix: str, n_experts: int) -> str:
+    """FLOAT or W8A8_DYNAMIC for a layer's routed experts (all must agree), from a ModelSlim description."""
+    desc = getattr(quant_config, "description", None)
+    if desc is None:
+        return "FLOAT"
+    kinds = {}
+    for e in range(n_experts):
+        for proj in ("gate_proj", "up_proj", "down_proj"):
+            kinds.setdefault(desc.layer_type(f"{prefix}.experts.{e}.{proj}"), f"{prefix}.experts.{e}.{proj}.weight")
+    if len(kinds) > 1:
+        raise ValueError(
+            f"{desc.source}: the routed experts of {prefix} have different quantization types "
+            f"({', '.join(f'{v}={k}' for k, v in kinds.items())}); one MoE layer needs one type"
+        )
+    kind = next(iter(kinds))
+    if kind not in ("FLOAT", "W8A8_DYNAMIC"):
+        raise ValueError(
+            f"{desc.source}: {kinds[kind]} is {kind}; DeepSeek-V4 routed experts support W8A8_DYNAMIC or FLOAT only"
+        )
+    return kind
+
+
 class DeepseekV4MoE(nn.Module):
     """Hash-routed (tid2eid) or top-k (sqrtsoftplus + bias) routed experts + shared expert, clipped SwiGLU."""
 
@@ -393,9 +415,17 @@ class DeepseekV4MoE(nn.Module):
             self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts), requires_grad=False)
+        self.prefix = prefix
+        self.quantized = _experts_quant_type(quant_config, prefix, self.n_experts) == "W8A8_DYNAMIC"
+        wdtype = torch.int8 if self.quantized else None
         self.experts = nn.Module()
-        self.experts.w13 = nn.Parameter(torch.empty(self.n_experts, 2 * inter, h), requires_grad=False)
-        self.experts.w2 = nn.Parameter(torch.empty(self.n_experts, h, inter), requires_grad=False)
+        self.experts.w13 = nn.Parameter(torch.empty(self.n_experts, 2 * inter, h, dtype=wdtype), requires_grad=False)
+        self.experts.w2 = nn.Parameter(torch.empty(self.n_experts, h, inter, dtype=wdtype), requires_grad=False)
+        if self.quantized:  # ModelSlim W8A8_DYNAMIC: per-output-channel scales, symmetric (offsets zero)
+            for name, rows in (("w13", 2 * inter), ("w2", h)):
+                for comp in ("scale", "offset"):
+                    t = torch.full((self.n_experts, rows, 1), float("nan"))
+                    setattr(self.experts, f"{name}_{comp}", nn.Parameter(t, requires_grad=False))
         shared = inter * max(1, config.n_shared_experts)
         self.shared_experts = nn.Module()
         self.shared_experts.gate_up_proj = MergedColumnParallelLinear(
@@ -438,7 +468,12 @@ class DeepseekV4MoE(nn.Module):
                 normalize=self.normalize,
                 bias=self.gate.e_score_correction_bias,
             )
-        routed = op("dsv4.moe_experts")(x, w, ids, self.experts.w13, self.experts.w2, self.limit)
+        if self.quantized:
+            routed = op("dsv4.moe_experts_w8a8_dynamic")(
+                x, w, ids, self.experts.w13, self.experts.w13_scale, self.experts.w2, self.experts.w2_scale, self.limit
+            )
+        else:
+            routed = op("dsv4.moe_experts")(x, w, ids, self.experts.w13, self.experts.w2, self.limit)
         g, u = self.shared_experts.gate_up_proj(x).chunk(2, dim=-1)
         from ascend_adapters.deepseek_v4.kernels import clipped_swiglu
 
@@ -525,11 +560,19 @@ class DeepseekV4Model(nn.Module):
 
 
 class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+    # fused module -> the transformers-internal shard names a ModelSlim description is renamed to
+    packed_modules_mapping = {"wqkv_a": ["q_a_proj", "kv_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_config
         self.config = config
+        quant_config = vllm_config.quant_config
+        if quant_config is not None and getattr(quant_config, "description", None) is not None:
+            quant_config.rename(description_renamer(config))
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
+        if quant_config is not None and getattr(quant_config, "description", None) is not None:
+            _check_description_covered(self, quant_config)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
@@ -588,6 +631,17 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 loader(param, tensor)
             loaded.add(target)
         remapper.finish()
+        for mod in self.modules():
+            if isinstance(mod, DeepseekV4MoE) and mod.quantized:
+                ex = mod.experts
+                for name in ("w13", "w2"):
+                    if torch.count_nonzero(getattr(ex, f"{name}_offset")):
+                        raise ValueError(
+                            f"{mod.prefix}.experts: non-zero weight_offset (asymmetric weights) is "
+                            "not supported for W8A8_DYNAMIC"
+                        )
+                    if not torch.isfinite(getattr(ex, f"{name}_scale")).all():
+                        raise ValueError(f"{mod.prefix}.experts: weight_scale missing or non-finite")
         tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
         missing = sorted(set(params) - loaded - tied)
         missing += sorted(set(buffers) - loaded)
@@ -597,6 +651,28 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 f"{missing[:12]}{' ...' if len(missing) > 12 else ''}"
             )
         return loaded
+
+
+def _check_description_covered(model: nn.Module, quant_config) -> None:
+    """Every quantized entry of the description must land on a module that applies it."""
+    from vllm.model_executor.layers.linear import LinearBase
+
+    covered = set()
+    for name, mod in model.named_modules():
+        if isinstance(mod, LinearBase) and getattr(mod, "quant_config", None) is not None:
+            covered.update(quant_config.shard_prefixes(name))
+        if isinstance(mod, DeepseekV4MoE) and mod.quantized:
+            covered.update(
+                f"{name}.experts.{e}.{p}" for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")
+            )
+    desc = quant_config.description
+    stray = sorted(p for p in desc.quantized_weights() if p not in covered)
+    if stray:
+        raise ValueError(
+            f"{desc.source}: {stray[0]}.weight is {desc.quantized_weights()[stray[0]]}, but the "
+            f"DeepSeek-V4 module it belongs to runs in float only ({len(stray)} such: "
+            f"{stray[:6]})"
+        )
 
 
 # Internal names with a shard suffix: "<param>#<shard>" (fused q_a/kv, shared gate/up, experts).
@@ -627,6 +703,18 @@ def _load_expert(param: torch.Tensor, src: str, e: int, which: str, tensor: torc
         _check_shape(src, "experts", tensor.shape, param.shape)
         param.data.copy_(tensor)
         return
+    if param.dtype == torch.int8 and tensor.dtype != torch.int8:
+        raise ValueError(
+            f"checkpoint tensor {src}: dtype {tensor.dtype}, but the ModelSlim description makes "
+            "these experts W8A8_DYNAMIC (int8 weights)"
+        )
+    if (
+        param.dtype != torch.int8
+        and tensor.dtype == torch.int8
+        and param.dtype.is_floating_point
+        and not src.endswith(("scale", "offset"))
+    ):
+        raise ValueError(f"checkpoint tensor {src}: int8, but no ModelSlim description makes it quantized")
     rows = param.shape[1] // 2 if which in ("gate", "up") else param.shape[1]
     dst = param.data[e]
     if which == "gate":

@@ -26,6 +26,10 @@ from ascend_adapters.common.remap import Remapper, rename, skip
 
 MTP_REASON = "multi-token-prediction (MTP) layer: not served by DeepseekV4ForCausalLM"
 
+# A linear's tensors: the weight and, in ModelSlim exports, its quantization companions.
+LINEAR_SUFFIX = r"(weight|weight_scale|weight_offset|input_scale|input_offset|deq_scale|quant_bias)"
+S = LINEAR_SUFFIX
+
 
 def native_to_hf_rules() -> list:
     """DeepSeek native / transformers-saved names -> transformers' internal names."""
@@ -47,34 +51,37 @@ def native_to_hf_rules() -> list:
         rename(r"(\.self_attn(?:\.compressor(?:\.indexer)?)?)\.norm\.weight$", r"\1.kv_norm.weight"),
         rename(r"\.q_norm\.weight$", ".q_a_norm.weight"),
         rename(r"\.ape$", ".position_bias"),
-        rename(r"\.wq_a\.weight$", ".q_a_proj.weight"),
-        rename(r"\.wq_b\.weight$", ".q_b_proj.weight"),
-        rename(r"\.wkv\.weight$", ".kv_proj.weight"),
-        rename(r"\.wgate\.weight$", ".gate_proj.weight"),
-        rename(r"\.wo_a\.weight$", ".o_a_proj.weight"),
-        rename(r"\.wo_b\.weight$", ".o_b_proj.weight"),
+        rename(rf"\.wq_a\.{S}$", r".q_a_proj.\1"),
+        rename(rf"\.wq_b\.{S}$", r".q_b_proj.\1"),
+        rename(rf"\.wkv\.{S}$", r".kv_proj.\1"),
+        rename(rf"\.wgate\.{S}$", r".gate_proj.\1"),
+        rename(rf"\.wo_a\.{S}$", r".o_a_proj.\1"),
+        rename(rf"\.wo_b\.{S}$", r".o_b_proj.\1"),
         rename(r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-        rename(r"\.shared_experts\.w1\.weight$", ".shared_experts.gate_proj.weight"),
-        rename(r"\.shared_experts\.w3\.weight$", ".shared_experts.up_proj.weight"),
-        rename(r"\.shared_experts\.w2\.weight$", ".shared_experts.down_proj.weight"),
-        rename(r"\.experts\.(\d+)\.w1\.weight$", r".experts.\1.gate_proj.weight"),
-        rename(r"\.experts\.(\d+)\.w3\.weight$", r".experts.\1.up_proj.weight"),
-        rename(r"\.experts\.(\d+)\.w2\.weight$", r".experts.\1.down_proj.weight"),
+        rename(rf"\.shared_experts\.w1\.{S}$", r".shared_experts.gate_proj.\1"),
+        rename(rf"\.shared_experts\.w3\.{S}$", r".shared_experts.up_proj.\1"),
+        rename(rf"\.shared_experts\.w2\.{S}$", r".shared_experts.down_proj.\1"),
+        rename(rf"\.experts\.(\d+)\.w1\.{S}$", r".experts.\1.gate_proj.\2"),
+        rename(rf"\.experts\.(\d+)\.w3\.{S}$", r".experts.\1.up_proj.\2"),
+        rename(rf"\.experts\.(\d+)\.w2\.{S}$", r".experts.\1.down_proj.\2"),
     ]
 
 
 def hf_to_vllm_rules() -> list:
     """transformers' internal names -> this vLLM model's parameters."""
     return [
-        rename(r"\.self_attn\.q_a_proj\.weight$", ".self_attn.wqkv_a.weight#0"),
-        rename(r"\.self_attn\.kv_proj\.weight$", ".self_attn.wqkv_a.weight#1"),
-        rename(r"\.self_attn\.fused_wqa_wkv\.weight$", ".self_attn.wqkv_a.weight"),
+        rename(rf"\.self_attn\.q_a_proj\.{S}$", r".self_attn.wqkv_a.\1#0"),
+        rename(rf"\.self_attn\.kv_proj\.{S}$", r".self_attn.wqkv_a.\1#1"),
+        rename(rf"\.self_attn\.fused_wqa_wkv\.{S}$", r".self_attn.wqkv_a.\1"),
         rename(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj."),
-        rename(r"\.shared_experts\.gate_proj\.weight$", ".shared_experts.gate_up_proj.weight#0"),
-        rename(r"\.shared_experts\.up_proj\.weight$", ".shared_experts.gate_up_proj.weight#1"),
+        rename(rf"\.shared_experts\.gate_proj\.{S}$", r".shared_experts.gate_up_proj.\1#0"),
+        rename(rf"\.shared_experts\.up_proj\.{S}$", r".shared_experts.gate_up_proj.\1#1"),
         rename(r"\.experts\.(\d+)\.gate_proj\.weight$", r".experts.w13#expert:\1:gate"),
+        rename(r"\.experts\.(\d+)\.gate_proj\.weight_(scale|offset)$", r".experts.w13_\2#expert:\1:gate"),
         rename(r"\.experts\.(\d+)\.up_proj\.weight$", r".experts.w13#expert:\1:up"),
+        rename(r"\.experts\.(\d+)\.up_proj\.weight_(scale|offset)$", r".experts.w13_\2#expert:\1:up"),
         rename(r"\.experts\.(\d+)\.down_proj\.weight$", r".experts.w2#expert:\1:down"),
+        rename(r"\.experts\.(\d+)\.down_proj\.weight_(scale|offset)$", r".experts.w2_\2#expert:\1:down"),
         rename(r"\.experts\.gate_up_proj$", ".experts.w13#expert:0:all"),
         rename(r"\.experts\.down_proj$", ".experts.w2#expert:0:all"),
     ]
@@ -95,3 +102,19 @@ def build_remapper(
     config, owned: Callable[[str], bool] | None = None, source: str = "DeepSeek-V4 checkpoint"
 ) -> Remapper:
     return Remapper(mtp_skip_rules(config) + native_to_hf_rules() + hf_to_vllm_rules(), targets=owned, source=source)
+
+
+def description_renamer(config):
+    """``fn(description key) -> key`` in transformers' internal module names (None: unchanged).
+
+    ModelSlim descriptions use the checkpoint's (native) names; common's ``ModelSlimConfig`` looks
+    layers up by module prefix, and this model's fused modules list their transformers-internal
+    shard names in ``packed_modules_mapping``.
+    """
+    rem = Remapper(mtp_skip_rules(config) + native_to_hf_rules(), targets=None, source="ModelSlim description")
+
+    def fn(key: str) -> str | None:
+        new, _ = rem.map_name(key)
+        return new
+
+    return fn
