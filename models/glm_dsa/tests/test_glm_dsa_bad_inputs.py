@@ -130,7 +130,11 @@ def _start_fails(ckpt, tmp_path, env=None, max_model_len=64) -> str:
 
 
 def _excerpt(log: str) -> str:
-    lines = [ln for ln in log.splitlines() if "GlmDsaConfigError" in ln or "RemapError" in ln or "UNMAPPED" in ln]
+    lines = [
+        ln
+        for ln in log.splitlines()
+        if any(s in ln for s in ("GlmDsaConfigError", "Value error", "RemapError", "UNMAPPED"))
+    ]
     return "\n".join(lines[:6])
 
 
