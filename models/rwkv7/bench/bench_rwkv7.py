@@ -273,6 +273,7 @@ def main(argv=None) -> int:
         "shape": shape,
         "dtype": "float32",
         "threads": threads,
+        "load_average_at_end": os.getloadavg(),
         "decode_tokens": decode_tokens,
         "prefill_tokens": args.prefill_tokens,
         "rwkv_package": ref,
@@ -293,7 +294,10 @@ def main(argv=None) -> int:
         },
     }
     r = result["ratios"]
-    print(f"\nRWKV-7 {shape['n_layer']}x{shape['n_embd']} (head {shape['head_size']}), float32, {threads} threads")
+    print(
+        f"\nRWKV-7 {shape['n_layer']}x{shape['n_embd']} (head {shape['head_size']}), float32, {threads} threads, "
+        f"load average {os.getloadavg()[0]:.1f} (a shared machine makes every number noisy)"
+    )
     print(
         f"decode batch 1 : vLLM {ours['decode_b1_tok_s']:.1f} tok/s vs rwkv {ref['decode_b1_tok_s']:.1f} "
         f"-> {r['decode_b1_vllm_over_rwkv']:.2f}x (target >= 1.0x)"
