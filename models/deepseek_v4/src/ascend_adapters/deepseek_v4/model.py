@@ -723,3 +723,8 @@ def _load_expert(param: torch.Tensor, src: str, e: int, which: str, tensor: torc
         dst = dst[rows:]
     _check_shape(src, f"expert {e} {which}", tensor.shape, dst.shape)
     dst.copy_(tensor)
+
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    """Bytes of every parameter and buffer of a loaded model (for benchmarks via ``LLM.apply_model``)."""
+    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))

@@ -1,0 +1,154 @@
+"""DeepSeek-V4 on the portable path: W8A8 vs float32 serving, and vLLM vs transformers.
+
+    python bench/bench_deepseek_v4.py --quick [--out results.json]
+
+Builds the tiny DeepSeek-V4 (``ascend_adapters.deepseek_v4.tiny``) and a ModelSlim W8A8_DYNAMIC
+export of it (common's exporter), then, in the same run:
+
+* vLLM (float32 activations) serving the float checkpoint and the W8A8 export: decode tokens/s at
+  batch 1 and batch 8, and resident weight bytes of the loaded model;
+* transformers' ``generate`` on the float checkpoint at batch 1, same prompt and length.
+
+Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its own process.
+On this CPU path both models run the portable kernels; the numbers say nothing about an NPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+W8A8_PLAN = {
+    "*.attn.wq_a": "W8A8_DYNAMIC",
+    "*.attn.wkv": "W8A8_DYNAMIC",
+    "*.attn.wq_b": "W8A8_DYNAMIC",
+    "*.attn.wo_b": "W8A8_DYNAMIC",
+    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
+    "*.ffn.experts.*": "W8A8_DYNAMIC",
+}
+
+
+def _prompt(n: int, seed: int) -> list[int]:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, 512, (n,), generator=g).tolist()
+
+
+def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
+    from vllm import LLM, SamplingParams
+
+    from ascend_adapters.deepseek_v4.model import resident_weight_bytes
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=prompt_len + gen + 8,
+        kv_cache_memory_bytes=64 << 20,
+        max_num_seqs=8,
+        skip_tokenizer_init=True,
+    )
+
+    res = {"weight_bytes": llm.apply_model(resident_weight_bytes)[0]}
+    params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True, detokenize=False)
+    llm.generate([{"prompt_token_ids": _prompt(prompt_len, 0)}], params, use_tqdm=False)  # warm-up
+    for batch in (1, 8):
+        reqs = [{"prompt_token_ids": _prompt(prompt_len, i)} for i in range(batch)]
+        t = time.perf_counter()
+        outs = llm.generate(reqs, params, use_tqdm=False)
+        dt = time.perf_counter() - t
+        n = sum(len(o.outputs[0].token_ids) for o in outs)
+        res[f"tokens_per_s_batch{batch}"] = n / dt
+    Path(out).write_text(json.dumps(res))
+
+
+def run_engine(model_dir: Path, prompt_len: int, gen: int) -> dict:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    # apply_model ships a function to the worker: allowed for this local, trusted benchmark process only
+    env = {
+        **os.environ,
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+    }
+    cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine for {model_dir} failed:\n" + "\n".join(proc.stderr.splitlines()[-40:]))
+    res = json.loads(Path(out).read_text())
+    os.unlink(out)
+    return res
+
+
+def hf_generate(model_dir: Path, prompt_len: int, gen: int) -> dict:
+    import torch
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([_prompt(prompt_len, 0)])
+    kw = {"max_new_tokens": gen, "min_new_tokens": gen, "do_sample": False}
+    with torch.no_grad():
+        model.generate(ids, max_new_tokens=2, do_sample=False)  # warm-up
+        t = time.perf_counter()
+        out = model.generate(ids, **kw)
+        dt = time.perf_counter() - t
+    return {"tokens_per_s_batch1": (out.shape[1] - ids.shape[1]) / dt}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
+    ap.add_argument("--out", help="write the numbers as JSON here")
+    ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        model_dir, prompt_len, gen, out = args.worker
+        worker(model_dir, int(prompt_len), int(gen), out)
+        return 0
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from ascend_adapters.common.testing.modelslim import export_w8a8
+    from ascend_adapters.deepseek_v4.tiny import make_tiny
+
+    prompt_len, gen = (24, 16) if args.quick else (100, 64)
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:
+        float_dir = make_tiny(Path(tmp) / "float")
+        w8a8_dir = export_w8a8(float_dir, Path(tmp) / "w8a8", W8A8_PLAN)
+        results = {
+            "shape": "ascend_adapters.deepseek_v4.tiny.TINY_CONFIG",
+            "prompt_len": prompt_len,
+            "generated": gen,
+            "vllm_float32": run_engine(float_dir, prompt_len, gen),
+            "vllm_w8a8_dynamic": run_engine(w8a8_dir, prompt_len, gen),
+            "transformers_generate_float32": hf_generate(float_dir, prompt_len, gen),
+        }
+    f, q, hf = results["vllm_float32"], results["vllm_w8a8_dynamic"], results["transformers_generate_float32"]
+    results["ratios"] = {
+        "w8a8_over_float_tokens_per_s_batch1": q["tokens_per_s_batch1"] / f["tokens_per_s_batch1"],
+        "w8a8_over_float_tokens_per_s_batch8": q["tokens_per_s_batch8"] / f["tokens_per_s_batch8"],
+        "w8a8_over_float_weight_bytes": q["weight_bytes"] / f["weight_bytes"],
+        "vllm_over_transformers_tokens_per_s_batch1": f["tokens_per_s_batch1"] / hf["tokens_per_s_batch1"],
+    }
+    for name, r in (("vLLM float32", f), ("vLLM W8A8_DYNAMIC", q)):
+        print(
+            f"{name:20s} batch1 {r['tokens_per_s_batch1']:8.1f} tok/s  batch8 {r['tokens_per_s_batch8']:8.1f} "
+            f"tok/s  weights {r['weight_bytes'] / 1e6:6.2f} MB"
+        )
+    print(f"{'transformers float32':20s} batch1 {hf['tokens_per_s_batch1']:8.1f} tok/s")
+    for k, v in results["ratios"].items():
+        print(f"{k}: {v:.3f}")
+    if args.out:
+        Path(args.out).write_text(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
