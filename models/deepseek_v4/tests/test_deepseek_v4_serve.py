@@ -154,7 +154,7 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
     if case == "window_only_beyond_window":
         monkeypatch.setenv("ASCEND_ADAPTERS_DSV4_COMPRESSED", "0")
         kwargs["max_model_len"] = 64
-        expect = "exceeds the sliding window (16 tokens)"
+        expect = "switched off (ASCEND_ADAPTERS_DSV4_COMPRESSED=0): 3 tokens (sliding window 16"
     elif case == "prefix_caching":
         kwargs["enable_prefix_caching"] = True
         expect = "does not support prefix caching"

@@ -117,11 +117,19 @@ def validate_config(config, source: str = "config") -> None:
 
 
 def max_exact_len(config) -> int | None:
-    """Longest context served exactly, or None when unbounded (compressed branches on)."""
-    has_compressed = any(t != LAYER_SLIDING for t in config.layer_types)
-    if compressed_enabled() or not has_compressed:
+    """Longest context served exactly, or None when unbounded (compressed branches on).
+
+    With the compressed branches off, a CSA/HCA layer attends to its window only. That equals the
+    checkpoint's model only while no compressed entry exists yet: a query at position t sees entry
+    w once t + 1 >= (w + 1) * rate, so the first entry joins at position rate - 1. Window-only is
+    therefore exact up to min(sliding_window, smallest compress rate - 1) tokens, not up to the
+    window (which is what an adapter that drops the compressor weights silently assumes).
+    """
+    types = {t for t in config.layer_types if t != LAYER_SLIDING}
+    if compressed_enabled() or not types:
         return None
-    return int(config.sliding_window)
+    rates = [int(config.compress_rates[t]) for t in types]
+    return min(int(config.sliding_window), min(rates) - 1)
 
 
 def _modelslim_marker(model, config_dict: dict) -> dict | None:
@@ -214,10 +222,12 @@ def _policy_class():
             limit = max_exact_len(hf)
             if limit is not None and model_config.max_model_len > limit:
                 raise ValueError(
-                    f"{ARCH}: max_model_len={model_config.max_model_len} exceeds the sliding window "
-                    f"({limit} tokens), and the compressed attention branches (CSA/HCA) are switched off "
-                    f"({COMPRESSED_ENV}=0): beyond the window the model would not be exact. Use "
-                    f"--max-model-len {limit} or unset {COMPRESSED_ENV}."
+                    f"{ARCH}: max_model_len={model_config.max_model_len} exceeds what is exact with the "
+                    f"compressed attention branches (CSA/HCA) switched off ({COMPRESSED_ENV}=0): {limit} "
+                    f"tokens (sliding window {hf.sliding_window}; the first compressed entry joins attention "
+                    f"at position {min(hf.compress_rates[t] for t in set(hf.layer_types) - {LAYER_SLIDING}) - 1}"
+                    f"). Use --max-model-len {limit} or unset {COMPRESSED_ENV} (the default serves any length "
+                    "exactly)."
                 )
             quant = model_config.quantization or getattr(hf, "quantization_config", None)
             method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
