@@ -28,8 +28,8 @@ from ascend_adapters.common.cli import main as cli_main
 from ascend_adapters.common.gate import GATE_NAME
 from ascend_adapters.common.gate import serve_args as sa
 from ascend_adapters.common.gate.cli import split_rest
-from ascend_adapters.common.gate.runner import GREEDY_PROMPT, GREEDY_TOKENS, group_members
-from ascend_adapters.common.server import CPU_TEST_ARGS
+from ascend_adapters.common.gate.runner import GREEDY_PROMPT, GREEDY_TOKENS
+from ascend_adapters.common.server import CPU_TEST_ARGS, group_members
 from ascend_adapters.common.testing.factory import make_tiny_llama
 from ascend_adapters.common.testing.probe import PROBE_ENV
 

