@@ -19,15 +19,10 @@ from ascend_adapters.common.admission import build_manifest, check_dir, inspect_
 from ascend_adapters.common.admission.report import Report
 from ascend_adapters.common.testing import modelslim
 
-MISSING = modelslim.msmodelslim_missing_reason()
-
 
 @pytest.fixture(scope="module")
-def real_exports(tmp_path_factory):
-    if MISSING:
-        print(f"SKIP real msmodelslim exports: {MISSING}")
-        pytest.skip(MISSING)
-    dirs = modelslim.make_tiny_llama_exports(tmp_path_factory.mktemp("msmodelslim"), seed=0)
+def real_exports(tiny_llama_modelslim_exports):
+    dirs = tiny_llama_modelslim_exports
     out = {}
     for mode in ("dynamic", "static"):
         manifest, report = build_manifest(dirs[mode], progress=False)

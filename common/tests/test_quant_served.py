@@ -19,9 +19,7 @@ transformers = pytest.importorskip("transformers")
 
 from ascend_adapters.common.testing.evidence import EvidenceRecord  # noqa: E402
 from ascend_adapters.common.testing.modelslim import (  # noqa: E402
-    make_tiny_llama_exports,
     msmodelslim_executable,
-    msmodelslim_missing_reason,
     patch_linears,
 )
 from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
@@ -43,12 +41,8 @@ def _prompts():
 
 
 @pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    reason = msmodelslim_missing_reason()
-    if reason:
-        print(f"SKIP served ModelSlim tests: {reason}")
-        pytest.skip(reason)
-    return make_tiny_llama_exports(tmp_path_factory.mktemp("modelslim"), seed=0)
+def exports(tiny_llama_modelslim_exports):
+    return tiny_llama_modelslim_exports
 
 
 def _hf_model(config_dir):
