@@ -32,6 +32,16 @@ DEFAULT_LLM_KWARGS = {
 }
 
 
+class ParityWorkerError(RuntimeError):
+    """The vLLM subprocess failed; ``log`` holds its whole output (the message only the tail)."""
+
+    def __init__(self, returncode: int, log: str):
+        tail = "\n".join(log.splitlines()[-200:])
+        super().__init__(f"vLLM parity worker failed (exit {returncode}):\n{tail}")
+        self.returncode = returncode
+        self.log = log
+
+
 @dataclass
 class SeqLogits:
     prompt_ids: list[int]
@@ -78,8 +88,7 @@ def vllm_logits(
             timeout=timeout,
         )
         if proc.returncode != 0 or not out_path.exists():
-            tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-80:])
-            raise RuntimeError(f"vLLM parity worker failed (exit {proc.returncode}):\n{tail}")
+            raise ParityWorkerError(proc.returncode, proc.stdout + proc.stderr)
         raw = torch.load(out_path)
     return [[SeqLogits(r["prompt_ids"], r["gen_ids"], r["logits"]) for r in batch] for batch in raw]
 
