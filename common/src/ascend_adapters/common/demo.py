@@ -17,7 +17,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from ascend_adapters.common.server import CPU_TEST_ARGS, ServerStartError, VllmServer
+from ascend_adapters.common.server import CPU_TEST_ARGS, RequestError, ServerStartError, VllmServer
 from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.common.testing.probe import PROBE_ENV
 
@@ -76,6 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         rec.check("server start-up", False, exc.log_tail)
         path = rec.write(args.evidence_dir)
         print(f"[demo] FAILED to start: {exc}\n[demo] record: {path}", file=sys.stderr)
+        return 1
+    except RequestError as exc:
+        rec.check("request answered", False, str(exc))
+        path = rec.write(args.evidence_dir)
+        print(f"[demo] FAILED: the server started but a request failed: {exc}\n[demo] record: {path}", file=sys.stderr)
         return 1
     rec.skip("NPU path", "no Ascend NPU on this machine; the portable path ran")
     path = rec.write(args.evidence_dir)

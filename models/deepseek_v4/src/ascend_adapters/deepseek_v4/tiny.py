@@ -12,6 +12,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# vLLM forces its own `deepseek_v4` tokenizer mode for this architecture, which
+# expects DeepSeek's tokenizer; the tiny checkpoint ships a small local BPE.
+SERVE_ARGS = ["--tokenizer-mode", "hf"]
+
 # Small enough for a 2-core CPU, big enough that every branch is exercised:
 # layer 0 sliding-only, 1 CSA (rate 4, indexer top-4), 2 HCA (rate 16), 3 CSA;
 # hash-routed MoE in the first layer; window 16 so 100+ token prompts are many
