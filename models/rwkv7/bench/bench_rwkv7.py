@@ -236,7 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--tbt-tokens",
         type=int,
-        default=1024,
+        default=None,
         help="time the rwkv package's token-by-token prefill over this many tokens and scale",
     )
     ap.add_argument("--repeats", type=int, default=3, help="best of N for each timing (shared machines are noisy)")
@@ -253,6 +253,7 @@ def main(argv=None) -> int:
     from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, write_pth
 
     shape = QUICK if args.quick else FULL
+    tbt_tokens = args.tbt_tokens or (args.prefill_tokens if args.quick else 256)
     decode_tokens = args.decode_tokens or (16 if args.quick else 64)
     contexts = (128, 1024) if args.quick else CONTEXTS
     threads = len(os.sched_getaffinity(0))
@@ -265,7 +266,7 @@ def main(argv=None) -> int:
         model_dir = convert(pth, Path(tmp) / "hf", tokenizer=False, log=lambda *_: None)
         print(f"random {shape} checkpoint written and converted in {time.perf_counter() - t0:.1f} s", flush=True)
         ref = run_rwkv_package(
-            pth, prompt, prefill_prompt, decode_tokens, vocab, contexts, threads, args.repeats, args.tbt_tokens
+            pth, prompt, prefill_prompt, decode_tokens, vocab, contexts, threads, args.repeats, tbt_tokens
         )
         print("rwkv package:", json.dumps(ref), flush=True)
         ours = run_vllm(
