@@ -26,7 +26,7 @@ from ascend_adapters.common.testing.modelslim import (  # noqa: E402
 )
 from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 
 E, TOP_K = 8, 2
 REF_MAX_ABS = 2e-3

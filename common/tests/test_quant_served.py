@@ -24,7 +24,7 @@ from ascend_adapters.common.testing.modelslim import (  # noqa: E402
 )
 from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 
 MAX_TOKENS = 8
 # (a) bound: the quantized path itself is exact; what is left is float32 rounding of the float parts
