@@ -284,7 +284,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             allowed = torch.cat([allowed, visible], 1)
         if state is not None:
             keep = min(n, W)
-            state[0][qpos[-keep:] % W] = kv[-keep:]
+            state[0][qpos[-keep:] % W] = kv[-keep:].to(state[0].dtype)
         return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
 
     def _compress(self, x, pos0: int, state):
@@ -316,11 +316,11 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             idx = new_i if new_i is not None else None
             return ent, idx, ent.shape[0]
         if new_c is not None:
-            state[2][w_first:w_end] = new_c
+            state[2][w_first:w_end] = new_c.to(state[2].dtype)
             if new_i is not None:
-                state[3][w_first:w_end] = new_i
+                state[3][w_first:w_end] = new_i.to(state[3].dtype)
         keep = min(n, ring)
-        state[1][torch.arange(pos0 + n - keep, pos0 + n, device=dev) % ring] = x[-keep:]
+        state[1][torch.arange(pos0 + n - keep, pos0 + n, device=dev) % ring] = x[-keep:].to(state[1].dtype)
         ent = state[2][:w_end].to(x.dtype)
         return ent, (state[3][:w_end].to(x.dtype) if overlap else None), w_end
 
