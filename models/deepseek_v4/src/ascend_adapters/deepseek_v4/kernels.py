@@ -182,15 +182,12 @@ def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) ->
     return F.silu(gate) * up
 
 
-@dispatch.portable("dsv4.moe_experts")
-def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None
-) -> torch.Tensor:
-    """Routed experts, grouped by expert. ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
+def _grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int, expert) -> torch.Tensor:
+    """Sum over routes of ``weight * expert(e, x[tokens routed to e])``, one call per expert that has tokens."""
     out = torch.zeros_like(x)
     flat_ids = ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    counts = torch.bincount(flat_ids, minlength=n_experts).tolist()
     tok = order // ids.shape[1]
     wts = weights.reshape(-1)[order]
     start = 0
@@ -198,12 +195,22 @@ def moe_experts(
         if c == 0:
             continue
         idx = tok[start : start + c]
-        gu = F.linear(x[idx], w13[e])
-        g, u = gu.chunk(2, dim=-1)
-        h = F.linear(clipped_swiglu(g, u, limit), w2[e]) * wts[start : start + c, None].to(x.dtype)
-        out.index_add_(0, idx, h)
+        out.index_add_(0, idx, expert(e, x[idx]) * wts[start : start + c, None].to(x.dtype))
         start += c
     return out
+
+
+@dispatch.portable("dsv4.moe_experts")
+def moe_experts(
+    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None
+) -> torch.Tensor:
+    """Routed experts, grouped by expert. ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        g, u = F.linear(xs, w13[e]).chunk(2, dim=-1)
+        return F.linear(clipped_swiglu(g, u, limit), w2[e])
+
+    return _grouped_experts(x, weights, ids, w13.shape[0], expert)
 
 
 @dispatch.portable("dsv4.moe_experts_w8a8_dynamic")
@@ -222,23 +229,12 @@ def moe_experts_w8a8_dynamic(
     from ascend_adapters.common.quant import kernels as _modelslim_kernels  # noqa: F401  (registers the op)
 
     lin = dispatch.op("modelslim.w8a8_dynamic_linear")
-    out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
-    tok = order // ids.shape[1]
-    wts = weights.reshape(-1)[order]
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        idx = tok[start : start + c]
-        gu = lin(x[idx], w13[e], w13_scale[e].reshape(-1))
-        g, u = gu.chunk(2, dim=-1)
-        h = lin(clipped_swiglu(g, u, limit), w2[e], w2_scale[e].reshape(-1)) * wts[start : start + c, None].to(x.dtype)
-        out.index_add_(0, idx, h)
-        start += c
-    return out
+
+    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
+        g, u = lin(xs, w13[e], w13_scale[e].reshape(-1)).chunk(2, dim=-1)
+        return lin(clipped_swiglu(g, u, limit), w2[e], w2_scale[e].reshape(-1))
+
+    return _grouped_experts(x, weights, ids, w13.shape[0], expert)
 
 
 # ---------------------------------------------------------------- attention
