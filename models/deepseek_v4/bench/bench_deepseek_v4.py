@@ -24,15 +24,6 @@ import tempfile
 import time
 from pathlib import Path
 
-W8A8_PLAN = {
-    "*.attn.wq_a": "W8A8_DYNAMIC",
-    "*.attn.wkv": "W8A8_DYNAMIC",
-    "*.attn.wq_b": "W8A8_DYNAMIC",
-    "*.attn.wo_b": "W8A8_DYNAMIC",
-    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
-    "*.ffn.experts.*": "W8A8_DYNAMIC",
-}
-
 
 def _prompt(n: int, seed: int) -> list[int]:
     import torch
@@ -116,7 +107,7 @@ def main() -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ascend_adapters.common.testing.modelslim import export_w8a8
-    from ascend_adapters.deepseek_v4.tiny import make_tiny
+    from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
     with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny  # noqa: F401  (W8A8_PLAN re-exported for tests)
 
 # DeepSeek's own config keys for the same architecture (as in DeepSeek-V4 releases).
 _NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -134,18 +134,6 @@ def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
     (native / "config.json").write_text(json.dumps(cfg, indent=2))
     return hf_dir, native
 
-
-# ModelSlim W8A8_DYNAMIC plan for the tiny model (native export names; fnmatch on the linear prefix):
-# attention projections, shared and routed experts. Router, compressor/indexer projections (kept in
-# float by transformers' own DeepSeek-V4 loading as well), the grouped wo_a, embeddings and head stay FLOAT.
-W8A8_PLAN = {
-    "*.attn.wq_a": "W8A8_DYNAMIC",
-    "*.attn.wkv": "W8A8_DYNAMIC",
-    "*.attn.wq_b": "W8A8_DYNAMIC",
-    "*.attn.wo_b": "W8A8_DYNAMIC",
-    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
-    "*.ffn.experts.*": "W8A8_DYNAMIC",
-}
 
 # native linear name -> transformers module path (an explicit table, independent of the adapter's remap)
 _NATIVE_TO_HF = {
