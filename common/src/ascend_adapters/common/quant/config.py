@@ -112,7 +112,9 @@ class ModelSlimConfig(QuantizationConfig):
 
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         # Checkpoint names -> vLLM module names (models whose modules are named differently).
-        fn = hf_to_vllm_mapper.map_name
+        from ascend_adapters.common import compat
+
+        fn = compat.weights_mapper_fn(hf_to_vllm_mapper)
         self._renames.append(fn)
         if self.description is not None:
             self.description.rename(fn)

@@ -37,9 +37,9 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.v1.kv_cache_interface import KVCacheSpec, MLAAttentionSpec
+from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from ascend_adapters.common import dispatch, remap
+from ascend_adapters.common import compat, dispatch, remap
 from ascend_adapters.glm_dsa import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
@@ -239,7 +239,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         return GlmDsaPortableBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig) -> KVCacheSpec:
-        return MLAAttentionSpec(
+        return compat.mla_attention_spec(
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
             max_tp_shards=1,
