@@ -6,11 +6,24 @@ cheap: nothing here imports torch unless a feature is enabled.
 
 from __future__ import annotations
 
+ENGINE_REFUSED_EXIT = 3
+
 
 def register() -> None:
     import os
+    import sys
 
-    # Admission first: a refused model directory stops start-up before any quant scheme module is imported.
+    from ascend_adapters.common.compat import EngineVersionError, require_supported_engine
+
+    # An engine outside the tested range stops here, in one line (override: compat.ENGINE_OVERRIDE_ENV).
+    try:
+        require_supported_engine()
+    except EngineVersionError as exc:
+        sys.stderr.write(f"{exc}\n")
+        sys.stderr.flush()
+        raise SystemExit(ENGINE_REFUSED_EXIT) from None
+
+    # Admission next: a refused model directory stops start-up before any quant scheme module is imported.
     if os.environ.get("ASCEND_ADAPTERS_MANIFEST"):  # fail-closed admission, see docs/admission.md
         from ascend_adapters.common.admission.hook import admit_from_env
 

@@ -102,10 +102,13 @@ def status() -> dict:
         path = kernel_path().value
     except Exception as exc:  # status must always answer
         path = f"unknown ({type(exc).__name__}: {exc})"
+    from ascend_adapters.common.compat import engine_status
+
     engine = engine_distribution()
     return {
         "versions": installed_details(),
         "engine_distribution": engine[0] if engine else None,
+        "engine": engine_status(),
         "general_plugins": sorted(plugins, key=lambda p: p["name"]),
         "kernel_path": path,
         "admission": {
@@ -120,6 +123,15 @@ def format_status(st: dict) -> str:
     lines = ["installed versions:"]
     for key, info in st["versions"].items():
         lines.append(f"  {key:<13} {info['version'] + '  (' + info['source'] + ')' if info else 'not installed'}")
+    eng = st["engine"]
+    verdict = {True: "inside", False: "OUTSIDE", None: "no engine installed;"}[eng["in_range"]]
+    override = eng["override"]
+    override_text = "on" if override is True else "off" if override is False else override
+    lines.append(
+        f"engine: {eng['distribution'] or 'vllm'} {eng['version'] or '(not installed)'}, {verdict} the tested range "
+        f"{eng['tested_range']}; {eng['override_env']}: {override_text}"
+        + (" (start-up is refused)" if eng["in_range"] is False and override is not True else "")
+    )
     lines.append("vllm.general_plugins entry points:")
     for p in st["general_plugins"] or []:
         lines.append(f"  {p['name']:<28} {p['value']:<50} [{p['distribution']}]")
