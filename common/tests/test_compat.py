@@ -42,3 +42,42 @@ def test_installed_engine_is_in_the_tested_range():
     version = compat.engine_version()
     assert version is not None, "the tests run on a real vLLM"
     assert compat.engine_in_range(version), f"{version} outside {compat.ENGINE_RANGE}"
+
+
+def _routing_layer(**kw):
+    import types
+
+    base = dict(top_k=2, use_grouped_topk=False, renormalize=True, topk_group=None, num_expert_group=None,
+                custom_routing_function=None, scoring_func="softmax", routed_scaling_factor=None,
+                e_score_correction_bias=None)  # fmt: skip
+    return types.SimpleNamespace(**{**base, **kw})
+
+
+def test_moe_select_experts_matches_softmax_topk():
+    if not compat.moe_method_routes():
+        # this engine routes in its MoE runner: the quant method is handed topk ids instead
+        with pytest.raises(RuntimeError, match="routes MoE layers in its runner"):
+            compat.moe_select_experts(_routing_layer(), torch.zeros(1, 4), torch.zeros(1, 8))
+        return
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 8, generator=g)
+    for renorm in (True, False):
+        weights, ids = compat.moe_select_experts(_routing_layer(renormalize=renorm), torch.zeros(5, 4), logits)
+        probs = torch.softmax(logits, dim=-1)
+        ref_w, ref_ids = probs.topk(2, dim=-1)
+        if renorm:
+            ref_w = ref_w / ref_w.sum(dim=-1, keepdim=True)
+        order, ref_order = ids.long().sort(dim=-1), ref_ids.sort(dim=-1)
+        assert torch.equal(order.values, ref_order.values)
+        # float32 softmax of 8 logits: a few ulp apart from the engine's own kernel at most
+        torch.testing.assert_close(
+            weights.float().gather(1, order.indices), ref_w.gather(1, ref_order.indices), rtol=1e-5, atol=1e-6
+        )
+
+
+def test_modelslim_moe_method_is_monolithic_exactly_where_the_engine_needs_it():
+    from ascend_adapters.common.quant.moe import ModelSlimW8A8DynamicMoEMethod
+
+    assert ModelSlimW8A8DynamicMoEMethod.is_monolithic.fget(object.__new__(ModelSlimW8A8DynamicMoEMethod)) is (
+        compat.moe_method_routes()
+    )

@@ -180,3 +180,65 @@ def _known_kwargs(cls, kwargs: dict, droppable: dict) -> dict:
         else:
             raise TypeError(f"{cls.__name__} of this vLLM has no field {key!r} (value {value!r})")
     return out
+
+
+# -- MoE routing ----------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _engine_select_experts():
+    """The engine's torch ``select_experts`` where its MoE runner does not route for CPU experts, else None.
+
+    0.32 routes every MoE layer in the runner (``router.cpu_router.CPURouter`` on
+    CPU) and hands the quant method ``topk_weights``/``topk_ids``. 0.27/0.28 have
+    no CPU router: the runner's router calls a CUDA-only op (``_moe_C.topk_softmax``),
+    and the engine's own CPU experts route inside a *monolithic* apply with a torch
+    ``select_experts`` (0.28: ``experts.cpu_moe``, 0.27: ``cpu_fused_moe``).
+    """
+    try:
+        import vllm.model_executor.layers.fused_moe.router.cpu_router  # noqa: F401
+
+        return None
+    except ImportError:
+        pass
+    try:
+        from vllm.model_executor.layers.fused_moe.experts.cpu_moe import select_experts
+    except ImportError:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import select_experts
+    return select_experts
+
+
+def moe_method_routes() -> bool:
+    """Whether a custom ``FusedMoEMethodBase`` must route itself (be monolithic) on this engine.
+
+    A quant method returns this from its ``is_monolithic`` property and, when
+    True, implements ``apply_monolithic(layer, x, router_logits, input_ids=None)``
+    with ``moe_select_experts``.
+    """
+    return _engine_select_experts() is not None
+
+
+def moe_select_experts(layer, x, router_logits):
+    """``(topk_weights, topk_ids)`` for a ``RoutedExperts`` layer, by the engine's own torch routing.
+
+    Only for engines where ``moe_method_routes()`` is True; reads the routing
+    settings the layer was built with (top-k, renormalize, grouped top-k,
+    scoring function, scaling factor, correction bias, custom routing function).
+    """
+    select = _engine_select_experts()
+    if select is None:
+        raise RuntimeError("this engine routes MoE layers in its runner; call apply() with its topk_ids")
+    scale = getattr(layer, "routed_scaling_factor", None)
+    return select(
+        hidden_states=x,
+        router_logits=router_logits,
+        top_k=layer.top_k,
+        use_grouped_topk=bool(layer.use_grouped_topk),
+        renormalize=layer.renormalize,
+        topk_group=layer.topk_group,
+        num_expert_group=layer.num_expert_group,
+        custom_routing_function=layer.custom_routing_function,
+        scoring_func=layer.scoring_func,
+        routed_scaling_factor=1.0 if scale is None else scale,
+        e_score_correction_bias=layer.e_score_correction_bias,
+    )

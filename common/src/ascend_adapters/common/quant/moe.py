@@ -18,7 +18,7 @@ from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEM
 from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightScaleSupported
 from vllm.model_executor.utils import set_weight_attrs
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import DescriptionError
 
@@ -123,6 +123,15 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
+
+    @property
+    def is_monolithic(self) -> bool:
+        # Engines without a router for these experts (vLLM 0.27/0.28 on CPU) hand us the router logits.
+        return compat.moe_method_routes()
+
+    def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None) -> torch.Tensor:
+        topk_weights, topk_ids = compat.moe_select_experts(layer, x, router_logits)
+        return self.apply(layer, x, topk_weights, topk_ids, None, None)
 
     def apply(
         self,
