@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from ascend_adapters.common.flags import env_flag
 
 logger = logging.getLogger("ascend_adapters")
 
@@ -33,7 +34,7 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
 def compressed_enabled() -> bool:
-    return os.environ.get(COMPRESSED_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return env_flag(COMPRESSED_ENV, default=True)
 
 
 def _read_config_dict(model) -> dict | None:
