@@ -830,6 +830,14 @@ def test_hook_without_hashing(templates, tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         hook.admit_from_env()
     assert "[file-sha256] model.safetensors" in capsys.readouterr().err
+    # a value outside common.flags' vocabulary refuses (fail closed), naming the variable
+    monkeypatch.setattr(hook, "_admitted", None)
+    monkeypatch.delenv(hook.ADMITTED_ENV, raising=False)
+    monkeypatch.setenv(hook.HASH_ENV, "skip")
+    with pytest.raises(SystemExit) as exited:
+        hook.admit_from_env()
+    assert exited.value.code == hook.EXIT_CODE
+    assert f"{hook.HASH_ENV}='skip'" in capsys.readouterr().err
 
 
 def test_hook_prefers_engine_args_model_over_argv(templates, tmp_path, monkeypatch, capsys):

@@ -91,6 +91,28 @@ def test_check_export_accepts_both_file_names(tmp_path):
     assert [f.name for f in weight_files(b)] == ["quant_model_weight_w8a8.safetensors"]
 
 
+def test_export_headers_are_read_by_admissions_capped_reader(tmp_path, monkeypatch):
+    """The quant checks read safetensors headers with admission's one reader: its size cap and checks apply."""
+    import struct
+
+    from ascend_adapters.common.admission import safetensors_header
+
+    t = _dyn_layer("m.l")
+    _write_export(tmp_path, t, {k: "W8A8_DYNAMIC" for k in t})
+    check_export(tmp_path)
+    (st,) = weight_files(tmp_path)
+    (n,) = struct.unpack("<Q", st.read_bytes()[:8])
+    # the cap is a module constant read at call time; one byte below this header's length must refuse it
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_BYTES", n - 1)
+    with pytest.raises(DescriptionError, match=rf"{st.name}: header length {n} exceeds the {n - 1}-byte limit"):
+        check_export(tmp_path)
+    monkeypatch.undo()
+    raw = st.read_bytes()
+    st.write_bytes(raw[:-1])  # data buffer one byte short: the header promises more than the file holds
+    with pytest.raises(DescriptionError, match=rf"{st.name}: tensors need \d+ data bytes, the file holds"):
+        check_export(tmp_path)
+
+
 def test_missing_companion_is_a_startup_error_naming_it(tmp_path):
     t = _dyn_layer("model.layers.0.mlp.up_proj")
     del t["model.layers.0.mlp.up_proj.weight_scale"]

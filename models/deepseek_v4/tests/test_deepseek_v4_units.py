@@ -170,3 +170,32 @@ def test_yarn_rope_matches_transformers():
         inv, scale = K.rope_inv_freq(cfg.rope_parameters[label], cfg.head_dim, cfg.max_position_embeddings)
         assert torch.allclose(inv, getattr(rot, f"{label}_inv_freq"), rtol=1e-6)
         assert scale == getattr(rot, f"{label}_attention_scaling")
+
+
+def test_startup_policy_wraps_vllms_hook():
+    """register() keeps vLLM's own hook for the architecture and adds state sizing, then our checks."""
+    from vllm.model_executor.models import config as vllm_models_config
+
+    from ascend_adapters.deepseek_v4 import ARCH, register
+    from ascend_adapters.deepseek_v4.policy import check_startup
+
+    register()
+    register()
+    cls = vllm_models_config.MODELS_CONFIG_MAP[ARCH]
+    assert issubclass(cls, vllm_models_config.DeepseekV4ForCausalLMConfig)
+    assert issubclass(cls, vllm_models_config.MambaModelConfig)
+    assert cls.__mro__[1] is vllm_models_config.DeepseekV4ForCausalLMConfig  # installed once
+    assert cls._ascend_adapters_policy.endswith(check_startup.__qualname__)
+
+
+def test_compressed_switch_reads_common_flags(monkeypatch):
+    from ascend_adapters.common.flags import FlagError
+    from ascend_adapters.deepseek_v4.config import COMPRESSED_ENV, compressed_enabled
+
+    monkeypatch.delenv(COMPRESSED_ENV, raising=False)
+    assert compressed_enabled()
+    monkeypatch.setenv(COMPRESSED_ENV, "off")
+    assert not compressed_enabled()
+    monkeypatch.setenv(COMPRESSED_ENV, "window")  # was silently "on"
+    with pytest.raises(FlagError, match=COMPRESSED_ENV):
+        compressed_enabled()

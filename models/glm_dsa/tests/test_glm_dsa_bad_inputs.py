@@ -183,3 +183,19 @@ def test_registration_switch(monkeypatch):
     monkeypatch.setenv(glm_dsa.ENABLE_ENV, "sometimes")
     with pytest.raises(ValueError, match=glm_dsa.ENABLE_ENV):
         glm_dsa.enabled()
+
+
+def test_startup_policy_wraps_vllms_hook(monkeypatch):
+    """register() keeps vLLM's own hook for GlmMoeDsaForCausalLM (where it has one), then our checks."""
+    from vllm.model_executor.models import config as vllm_models_config
+
+    from ascend_adapters import glm_dsa
+    from ascend_adapters.glm_dsa.policy import ARCH
+
+    monkeypatch.setenv(glm_dsa.ENABLE_ENV, "on")
+    glm_dsa.register()
+    glm_dsa.register()
+    cls = vllm_models_config.MODELS_CONFIG_MAP[ARCH]
+    vllm_side = getattr(vllm_models_config, "GlmMoeDsaForCausalLM", vllm_models_config.VerifyAndUpdateConfig)
+    assert cls.__mro__[1] is vllm_side  # installed once, over vLLM's class
+    assert cls.__name__ == "GlmDsaStartupPolicy"

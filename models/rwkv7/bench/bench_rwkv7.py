@@ -206,7 +206,7 @@ def run_vllm(model_dir, prompt, prefill_prompt, decode_tokens, vocab, contexts, 
 def kernel_prefill(h, n, t, threads):
     import torch
 
-    from ascend_adapters.rwkv7.wkv import wkv7_chunk, wkv7_step
+    from ascend_adapters.rwkv7.kernels import wkv7_chunk, wkv7_step
 
     torch.set_num_threads(threads)
     g = torch.Generator().manual_seed(0)

@@ -178,3 +178,26 @@ def test_make_tiny_writes_a_servable_dir(tmp_path):
     out = make_tiny(tmp_path / "tiny")
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["vocab_size"] == 65536 and (out / "rwkv_vocab_v20230424.txt").exists()
+
+
+def test_checkpoint_headers_are_read_by_admissions_capped_reader(tmp_path, pth, monkeypatch):
+    """config.py reads safetensors headers with common's one reader: its size cap and checks apply."""
+    import struct
+
+    from ascend_adapters.common.admission import safetensors_header
+    from ascend_adapters.rwkv7.config import check_checkpoint_dir, checkpoint_shapes
+
+    out = convert(pth, tmp_path / "hf", tokenizer=False)
+    cfg = Rwkv7Config(**json.loads((out / "config.json").read_text()))
+    assert checkpoint_shapes(out) == {k: tuple(v.shape) for k, v in _read(out).items()}
+    check_checkpoint_dir(cfg, out)
+    (st,) = sorted(out.glob("*.safetensors"))
+    (n,) = struct.unpack("<Q", st.read_bytes()[:8])
+    # the cap is a module constant read at call time; one byte below this header's length must refuse it
+    monkeypatch.setattr(safetensors_header, "MAX_HEADER_BYTES", n - 1)
+    with pytest.raises(Rwkv7ConfigError, match=rf"{st.name}: header length {n} exceeds the {n - 1}-byte limit"):
+        check_checkpoint_dir(cfg, out)
+    monkeypatch.undo()
+    st.write_bytes(st.read_bytes()[:5])  # shorter than the 8-byte length field: named, not a struct.error
+    with pytest.raises(Rwkv7ConfigError, match=rf"{st.name}: file is 5 bytes"):
+        checkpoint_shapes(out)

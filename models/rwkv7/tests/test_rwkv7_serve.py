@@ -11,9 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.server import VllmServer
-from ascend_adapters.rwkv7.rwkv_ref import rwkv_package_logits
 from ascend_adapters.rwkv7.tiny import make_tiny
 from ascend_adapters.rwkv7.tokenizer import VOCAB_FILE
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from ascend_adapters.common import dispatch
-from ascend_adapters.rwkv7.wkv import wkv7_chunk, wkv7_reference, wkv7_step
+from ascend_adapters.rwkv7.kernels import wkv7_chunk, wkv7_reference, wkv7_step
 
 
 def _inputs(T, H, N, seed=0):

@@ -9,7 +9,8 @@ from __future__ import annotations
 import enum
 import functools
 import logging
-import os
+
+from ascend_adapters.common.flags import env_flag
 
 logger = logging.getLogger("ascend_adapters")
 
@@ -19,10 +20,6 @@ FORCE_PORTABLE_ENV = "ASCEND_ADAPTERS_FORCE_PORTABLE"
 class KernelPath(str, enum.Enum):
     NPU = "npu"
     PORTABLE = "portable"
-
-
-def _env_flag(name: str) -> bool:
-    return os.environ.get(name, "").strip().lower() in {"1", "true", "yes", "on"}
 
 
 def npu_available() -> tuple[bool, str]:
@@ -44,7 +41,7 @@ def npu_available() -> tuple[bool, str]:
 @functools.lru_cache(maxsize=1)
 def kernel_path() -> KernelPath:
     """The kernel path for this process; logged once."""
-    if _env_flag(FORCE_PORTABLE_ENV):
+    if env_flag(FORCE_PORTABLE_ENV):
         path, why = KernelPath.PORTABLE, f"{FORCE_PORTABLE_ENV} is set"
     else:
         ok, why = npu_available()

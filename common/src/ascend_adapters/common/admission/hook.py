@@ -26,9 +26,11 @@ import json
 import os
 import sys
 
+from ascend_adapters.common.flags import FlagError, env_flag
+
 MANIFEST_ENV = "ASCEND_ADAPTERS_MANIFEST"
 MODEL_DIR_ENV = "ASCEND_ADAPTERS_MODEL_DIR"
-HASH_ENV = "ASCEND_ADAPTERS_ADMISSION_HASH"  # "0" skips sha256 at serve time (structure only)
+HASH_ENV = "ASCEND_ADAPTERS_ADMISSION_HASH"  # off skips sha256 at serve time (structure only)
 ADMITTED_ENV = "ASCEND_ADAPTERS_ADMITTED"  # set by this module for child processes
 
 EXIT_CODE = 3
@@ -147,7 +149,11 @@ def admit_from_env() -> None:
     from ascend_adapters.common.admission.checks import check_dir
 
     quick = marker is not None and marker.get("model_dir") == real and marker.get("full")
-    hashes = not quick and os.environ.get(HASH_ENV, "1").strip() != "0"
+    try:
+        hashes = not quick and env_flag(HASH_ENV, default=True)
+    except FlagError as exc:
+        _fail(f"  ERROR [flag] {exc}")
+        return
     if not quick:
         what = "sha256 of every file" if hashes else f"no sha256 ({HASH_ENV}=0)"
         sys.stderr.write(f"ascend-adapters admission: checking {real} against {manifest_path} ({what})\n")

@@ -185,3 +185,19 @@ def _validate(obj: dict, where: str, n: int, size: int, report: Report) -> Heade
     if len(report.errors) > bad:
         return None
     return Header(where, n, size, tensors, metadata)
+
+
+class HeaderError(ValueError):
+    """A safetensors file whose header cannot be used; the message names the file and every problem."""
+
+
+def read_tensors(path: str | os.PathLike) -> dict[str, TensorInfo]:
+    """Every tensor of ``path`` from its validated header: the one reader for quant, adapters and admission.
+
+    Same checks and the same size cap as ``read_header``; raises ``HeaderError`` instead of reporting.
+    """
+    report = Report()
+    header = read_header(path, report)
+    if header is None:
+        raise HeaderError("; ".join(f"{p.where}: {p.message} [{p.code}]" for p in report.errors))
+    return header.tensors

@@ -14,9 +14,10 @@ top-level metadata keys (``version``, ``model_quant_type``, ``group_size``,
 from __future__ import annotations
 
 import json
-import struct
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from ascend_adapters.common.admission.safetensors_header import HeaderError, read_tensors
 
 DESCRIPTION_FILE = "quant_model_description.json"
 
@@ -158,23 +159,15 @@ class Description:
         return {k[: -len(".weight")]: v for k, v in self.types.items() if k.endswith(".weight") and v != FLOAT}
 
 
-# -- safetensors headers (no torch) -------------------------------------------------------------
+# -- safetensors headers (no torch; admission's reader, with its size cap) -----------------------
 def read_safetensors_header(path: str | Path) -> dict[str, dict]:
-    """``name -> {"dtype", "shape"}`` from a safetensors file's JSON header."""
+    """``name -> {"dtype", "shape", "file"}`` from a safetensors file's validated header."""
     path = Path(path)
-    with open(path, "rb") as f:
-        head = f.read(8)
-        if len(head) != 8:
-            raise DescriptionError(f"{path}: truncated safetensors file")
-        (n,) = struct.unpack("<Q", head)
-        if n > 100 * 1024 * 1024:
-            raise DescriptionError(f"{path}: implausible safetensors header size {n}")
-        try:
-            header = json.loads(f.read(n))
-        except json.JSONDecodeError as exc:
-            raise DescriptionError(f"{path}: unreadable safetensors header ({exc})") from None
-    header.pop("__metadata__", None)
-    return {k: {"dtype": v["dtype"], "shape": v["shape"], "file": path.name} for k, v in header.items()}
+    try:
+        tensors = read_tensors(path)
+    except HeaderError as exc:
+        raise DescriptionError(str(exc)) from None
+    return {k: {"dtype": t.dtype, "shape": list(t.shape), "file": path.name} for k, t in tensors.items()}
 
 
 def weight_files(model_dir: str | Path) -> list[Path]:

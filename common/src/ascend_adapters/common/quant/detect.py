@@ -19,9 +19,9 @@ Opt out with ``ASCEND_ADAPTERS_MODELSLIM_AUTO=0`` (then pass
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 
+from ascend_adapters.common.flags import env_flag
 from ascend_adapters.common.quant.description import DESCRIPTION_FILE
 
 logger = logging.getLogger("ascend_adapters")
@@ -30,7 +30,7 @@ AUTO_ENV = "ASCEND_ADAPTERS_MODELSLIM_AUTO"
 
 
 def auto_enabled() -> bool:
-    return os.environ.get(AUTO_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return env_flag(AUTO_ENV, default=True)
 
 
 def modelslim_marker(model, config_dict: dict) -> dict | None:

@@ -16,7 +16,7 @@ vLLM's own Llama, selected with
 
 from __future__ import annotations
 
-import os
+from ascend_adapters.common.flags import env_flag
 
 PROBE_ENV = "ASCEND_ADAPTERS_TEST_PROBE"
 _MODULE = "ascend_adapters.common.testing.probe_models"
@@ -29,7 +29,7 @@ PROBE_ARCHITECTURES = {
 
 
 def register() -> None:
-    if os.environ.get(PROBE_ENV) != "1":
+    if not env_flag(PROBE_ENV):
         return
     from ascend_adapters.common.registry import register_architectures
 

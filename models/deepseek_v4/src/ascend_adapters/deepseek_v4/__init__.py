@@ -11,8 +11,8 @@ cheap: lazy "module:Class" registration, no torch import. It registers
   with transformers' own ``DeepseekV4Config`` (accepting both the
   transformers-saved layout and DeepSeek's native keys) and hands every other
   model to vLLM's stock parser unchanged;
-* the start-up policy hook (``MODELS_CONFIG_MAP``): state sizing, limits,
-  prefix caching refused.
+* the start-up policy (``policy.py``, on vLLM's per-architecture config hook):
+  state sizing, limits, prefix caching refused.
 """
 
 from __future__ import annotations
@@ -40,7 +40,9 @@ def register() -> None:
     if _native_path_available():
         return
     from ascend_adapters.common.registry import register_architectures
-    from ascend_adapters.deepseek_v4.config import register_config_hooks
+    from ascend_adapters.deepseek_v4 import policy
+    from ascend_adapters.deepseek_v4.config import register_config
 
-    register_config_hooks()
+    register_config()
     register_architectures(ARCHITECTURES)
+    policy.install()

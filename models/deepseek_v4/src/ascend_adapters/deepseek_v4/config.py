@@ -1,4 +1,4 @@
-"""Config acceptance and start-up policy for DeepSeek-V4 on the portable path.
+"""Config acceptance for DeepSeek-V4 on the portable path.
 
 vLLM 0.32 maps ``model_type: deepseek_v4`` to its own config class, which
 rejects configs saved by transformers (``mlp_layer_types``) before any plugin
@@ -9,17 +9,16 @@ type only. transformers' class reads both layouts: its own
 ``rope_parameters``) and DeepSeek's native one (``compress_ratios``,
 ``num_hash_layers``, ``qk_rope_head_dim``, ``rope_scaling``). Every other
 model type goes to vLLM's stock ``HFConfigParser`` untouched.
-
-``DeepseekV4StartupPolicy`` (vLLM's ``MODELS_CONFIG_MAP`` hook) refuses what the
-portable model cannot serve exactly, with the reason, before any weights load.
+The start-up checks (what the portable model refuses) are in ``policy.py``.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
+
+from ascend_adapters.common.flags import env_flag
 
 logger = logging.getLogger("ascend_adapters")
 
@@ -35,7 +34,7 @@ SUPPORTED_ROPE_TYPES = ("default", "yarn")
 
 
 def compressed_enabled() -> bool:
-    return os.environ.get(COMPRESSED_ENV, "1").strip().lower() not in {"0", "false", "no", "off"}
+    return env_flag(COMPRESSED_ENV, default=True)
 
 
 def _read_config_dict(model) -> dict | None:
@@ -168,8 +167,8 @@ def _parser_class(base):
 _REGISTERED = False
 
 
-def register_config_hooks() -> None:
-    """Wrap the registered ``hf`` config parser and add the start-up policy (idempotent).
+def register_config() -> None:
+    """Wrap the registered ``hf`` config parser (idempotent).
 
     Wrapping (not replacing) keeps any parser registered before ours (e.g. common's
     ModelSlim auto-detection); a parser registered after ours that subclasses it keeps
@@ -189,57 +188,4 @@ def register_config_hooks() -> None:
             register_config_parser("hf")(_parser_class(base))
         finally:
             vlog.setLevel(old)
-
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
-    MODELS_CONFIG_MAP[ARCH] = _policy_class()
     _REGISTERED = True
-
-
-def _policy_class():
-    from vllm.model_executor.models.config import MambaModelConfig, VerifyAndUpdateConfig
-
-    class DeepseekV4StartupPolicy(VerifyAndUpdateConfig):
-        """Start-up checks for the portable DeepSeek-V4 model (fail closed, with the reason)."""
-
-        @classmethod
-        def verify_and_update_config(cls, vllm_config) -> None:
-            model_config = vllm_config.model_config
-            hf = model_config.hf_config
-            if getattr(hf, "model_type", None) != MODEL_TYPE or not hasattr(hf, "layer_types"):
-                raise ValueError(
-                    f"{ARCH} (ascend-adapters portable path) needs a DeepSeek-V4 config read by transformers' "
-                    f"DeepseekV4Config; got {type(hf).__name__}. Was the config passed with a non-'hf' "
-                    "--config-format?"
-                )
-            validate_config(hf, source=str(model_config.model))
-            cache_config = vllm_config.cache_config
-            if cache_config.enable_prefix_caching:
-                raise ValueError(
-                    f"{ARCH} (ascend-adapters portable path) keeps per-request attention state and does not "
-                    "support prefix caching; drop --enable-prefix-caching."
-                )
-            limit = max_exact_len(hf)
-            if limit is not None and model_config.max_model_len > limit:
-                raise ValueError(
-                    f"{ARCH}: max_model_len={model_config.max_model_len} exceeds what is exact with the "
-                    f"compressed attention branches (CSA/HCA) switched off ({COMPRESSED_ENV}=0): {limit} "
-                    f"tokens (sliding window {hf.sliding_window}; the first compressed entry joins attention "
-                    f"at position {min(hf.compress_rates[t] for t in set(hf.layer_types) - {LAYER_SLIDING}) - 1}"
-                    f"). Use --max-model-len {limit} or unset {COMPRESSED_ENV} (the default serves any length "
-                    "exactly)."
-                )
-            quant = model_config.quantization or getattr(hf, "quantization_config", None)
-            method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
-            if quant and method != "modelslim":
-                raise ValueError(
-                    f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
-                    f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "
-                    "(e.g. a ModelSlim W8A8 export) is not implemented for DeepSeek-V4 yet."
-                )
-            spec = getattr(vllm_config, "speculative_config", None)
-            if spec is not None:
-                raise ValueError(f"{ARCH} (ascend-adapters portable path): speculative decoding is not supported")
-            MambaModelConfig.verify_and_update_config(vllm_config)
-
-    return DeepseekV4StartupPolicy

@@ -39,8 +39,8 @@ def register() -> None:
     if not enabled():
         return
     from ascend_adapters.common.registry import register_architectures
-    from ascend_adapters.glm_dsa.arch import install, install_checks
+    from ascend_adapters.glm_dsa import arch, policy
 
     register_architectures(ARCHITECTURES)
-    install()
-    install_checks()
+    arch.install()
+    policy.install()

@@ -7,9 +7,9 @@ only a real sparse path is correct.
 
 Environment:
 
-* ``ASCEND_ADAPTERS_GLM_DSA_SPARSE``: ``auto`` (default) picks dense when
-  ``max_model_len <= index_topk`` and the portable sparse path otherwise;
-  ``0``/``off`` disables the sparse path (start-up then refuses any
+* ``ASCEND_ADAPTERS_GLM_DSA_SPARSE``: ``auto`` (default; ``on`` means the same) picks
+  dense when ``max_model_len <= index_topk`` and the portable sparse path otherwise;
+  ``off`` disables the sparse path (start-up then refuses any
   ``max_model_len`` above ``index_topk``); ``force`` uses the sparse path even
   for short contexts (benchmarks, tests).
 * ``ASCEND_ADAPTERS_GLM_DSA`` (``auto``/``on``/``off``, in ``__init__.py``): whether the
@@ -21,8 +21,9 @@ from __future__ import annotations
 
 import enum
 import json
-import os
 from pathlib import Path
+
+from ascend_adapters.common.flags import FlagError, env_choice
 
 SPARSE_ENV = "ASCEND_ADAPTERS_GLM_DSA_SPARSE"
 
@@ -37,14 +38,12 @@ class GlmDsaConfigError(ValueError):
 
 
 def sparse_setting() -> str:
-    raw = os.environ.get(SPARSE_ENV, "auto").strip().lower()
-    if raw in {"", "auto", "1", "on", "true", "yes"}:
-        return "auto"
-    if raw in {"0", "off", "false", "no"}:
-        return "off"
-    if raw == "force":
-        return "force"
-    raise GlmDsaConfigError(f"{SPARSE_ENV}={raw!r}: expected auto, 0/off or force")
+    """``auto``, ``off`` or ``force``; ``on`` reads as ``auto`` (the sparse path is available)."""
+    try:
+        setting = env_choice(SPARSE_ENV, extra=("force",))
+    except FlagError as exc:
+        raise GlmDsaConfigError(str(exc)) from None
+    return "auto" if setting == "on" else setting
 
 
 def require_field(hf_config, name: str):

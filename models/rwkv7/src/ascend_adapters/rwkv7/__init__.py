@@ -2,9 +2,9 @@
 
 vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration of the model, plus the config class
-(``model_type: rwkv7``), the World tokenizer class and the engine-config
-checks (state-cache sizing; refusing TP > 1, prefix caching, speculative
-decoding).
+(``model_type: rwkv7``), the World tokenizer class and the start-up policy
+(``policy.py``: state-cache sizing; refusing TP > 1, prefix caching,
+speculative decoding).
 """
 
 from __future__ import annotations
@@ -20,19 +20,11 @@ ARCHITECTURES: dict[str, str] = {
 
 def register() -> None:
     from ascend_adapters.common.registry import register_architectures
+    from ascend_adapters.rwkv7 import policy
     from ascend_adapters.rwkv7.config import register_config
     from ascend_adapters.rwkv7.tokenizer import register_tokenizer
 
     register_config()
     register_tokenizer()
     register_architectures(ARCHITECTURES)
-    _register_engine_config()
-
-
-def _register_engine_config() -> None:
-    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
-
-    from ascend_adapters.rwkv7.policy import Rwkv7EngineConfig
-
-    for arch in ARCHITECTURES:
-        MODELS_CONFIG_MAP[arch] = Rwkv7EngineConfig
+    policy.install()

@@ -225,16 +225,17 @@ def check_shapes(cfg, actual: dict[str, tuple[int, ...]], source: str) -> None:
 
 def checkpoint_shapes(model_dir) -> dict[str, tuple[int, ...]]:
     """Tensor shapes of every ``*.safetensors`` in a local directory, read from the headers only."""
-    import json
-    import struct
     from pathlib import Path
+
+    from ascend_adapters.common.admission.safetensors_header import HeaderError, read_tensors
 
     shapes: dict[str, tuple[int, ...]] = {}
     for f in sorted(Path(model_dir).glob("*.safetensors")):
-        with open(f, "rb") as fh:
-            (n,) = struct.unpack("<Q", fh.read(8))
-            header = json.loads(fh.read(n))
-        shapes.update({k: tuple(v["shape"]) for k, v in header.items() if k != "__metadata__"})
+        try:
+            tensors = read_tensors(f)
+        except HeaderError as exc:
+            raise Rwkv7ConfigError(str(exc)) from None
+        shapes.update({name: t.shape for name, t in tensors.items()})
     return shapes
 
 

@@ -36,7 +36,7 @@ from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import dispatch
-from ascend_adapters.rwkv7 import wkv  # noqa: F401  (registers the kernel ops)
+from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import Rwkv7ConfigError, check_checkpoint_dir, validate_config
 from ascend_adapters.rwkv7.remap import hf_remapper
 

@@ -1,15 +1,13 @@
-"""What this adapter refuses at engine configuration time, with a clear message.
+"""What this adapter refuses at start-up, with the reason and the fix.
 
-vLLM calls ``verify_and_update_config`` of ``MODELS_CONFIG_MAP[architecture]``
-while it builds its config (in the API/LLM process, before any worker starts).
-``Rwkv7EngineConfig`` extends vLLM's ``MambaModelConfig`` (which sizes the
-state-cache block) with the checks below, and checks config.json against the safetensors
-headers of a local checkpoint (a mismatch names the tensor).
+Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
+config hook, over vLLM's ``MambaModelConfig`` (which sizes the state-cache
+block): vLLM's checks run first, then ``check_startup``, which also compares
+config.json with the safetensors headers of a local checkpoint (a mismatch
+names the tensor).
 """
 
 from __future__ import annotations
-
-from vllm.model_executor.models.config import MambaModelConfig
 
 
 class Rwkv7UnsupportedError(ValueError):
@@ -36,14 +34,21 @@ def unsupported_reasons(vllm_config) -> list[str]:
     return reasons
 
 
-class Rwkv7EngineConfig(MambaModelConfig):
-    @classmethod
-    def verify_and_update_config(cls, vllm_config) -> None:
-        from ascend_adapters.rwkv7.config import check_checkpoint_dir
+def check_startup(vllm_config) -> None:
+    from ascend_adapters.rwkv7.config import check_checkpoint_dir
 
-        # config.json and weight shapes, before any engine process starts
-        check_checkpoint_dir(vllm_config.model_config.hf_config, vllm_config.model_config.model)
-        reasons = unsupported_reasons(vllm_config)
-        if reasons:
-            raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
-        super().verify_and_update_config(vllm_config)
+    # config.json and weight shapes, before any engine process starts
+    check_checkpoint_dir(vllm_config.model_config.hf_config, vllm_config.model_config.model)
+    reasons = unsupported_reasons(vllm_config)
+    if reasons:
+        raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
+
+
+def install() -> None:
+    """Idempotent."""
+    from vllm.model_executor.models.config import MambaModelConfig
+
+    from ascend_adapters.common.policy import install_policy
+    from ascend_adapters.rwkv7 import ARCHITECTURES
+
+    install_policy(ARCHITECTURES, check_startup, base=MambaModelConfig, name="Rwkv7StartupPolicy")

@@ -1,9 +1,8 @@
-"""The official ``rwkv`` package as the independent reference (tests and bench only).
+"""The official ``rwkv`` package as the independent reference (tests only; not shipped).
 
 The package picks its RWKV-7 code path from environment variables at import
 time (``RWKV_V7_ON=1``, ``RWKV_CUDA_ON=0``), so it always runs in a fresh
-subprocess: ``rwkv_package_logits`` spawns ``python -m ascend_adapters.rwkv7.rwkv_ref``.
-Strategy ``cpu fp32``.
+subprocess: ``rwkv_package_logits`` runs this file as a script. Strategy ``cpu fp32``.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ def rwkv_package_logits(pth: str | os.PathLike, sequences, *, mode: str = "seq",
             json.dumps({"pth": str(pth), "sequences": [list(map(int, s)) for s in sequences], "mode": mode})
         )
         proc = subprocess.run(
-            [sys.executable, "-m", "ascend_adapters.rwkv7.rwkv_ref", str(spec), str(out)],
+            [sys.executable, str(Path(__file__).resolve()), str(spec), str(out)],
             env={**os.environ, **RWKV_ENV},
             capture_output=True,
             text=True,

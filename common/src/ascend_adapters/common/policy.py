@@ -1,0 +1,97 @@
+"""Start-up policy: the one way an adapter hooks vLLM's per-architecture config checks.
+
+While vLLM builds its config (in the API or ``LLM`` process, before any engine
+process starts) it calls ``MODELS_CONFIG_MAP[architecture]``'s
+``verify_and_update_model_config(model_config)`` and then
+``verify_and_update_config(vllm_config)``. ``install_policy`` maps each of an
+adapter's architectures to a subclass of the class vLLM already maps there
+(plus ``base``, e.g. ``MambaModelConfig`` for a model that keeps its state in
+vLLM's state cache). Each hook runs the parents' versions first (the mapped
+class, then ``base``), so vLLM's own updates are kept, then the adapter's check, which therefore sees the config the
+engine will really run with and refuses what the adapter cannot serve.
+
+Installing is idempotent (vLLM calls plugins in every process): an
+architecture whose mapped class already carries this check, directly or through
+a subclass someone else installed over it, is left alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+_MARKER = "_ascend_adapters_policy"
+
+
+def _key(check: Callable) -> str:
+    return f"{check.__module__}.{check.__qualname__}"
+
+
+def _parents(current: type | None, base: type | None) -> tuple[type, ...]:
+    from vllm.model_executor.models.config import VerifyAndUpdateConfig
+
+    found = [c for c in (current, base) if c is not None]
+    if len(found) == 2:
+        a, b = found
+        if issubclass(a, b):
+            found = [a]
+        elif issubclass(b, a):
+            found = [b]
+    return tuple(found) or (VerifyAndUpdateConfig,)
+
+
+def policy_class(
+    current: type | None,
+    check: Callable,
+    *,
+    check_model: Callable | None = None,
+    base: type | None = None,
+    name: str = "StartupPolicy",
+) -> type:
+    """The class ``install_policy`` maps: ``current`` (and ``base``) first, then the adapter's checks."""
+    key = _key(check)
+    parents = _parents(current, base)
+
+    # vLLM's classes do not call super(), so each parent's hook is called explicitly, in order.
+    class Policy(*parents):
+        @classmethod
+        def verify_and_update_model_config(cls, model_config) -> None:
+            for parent in parents:
+                parent.verify_and_update_model_config(model_config)
+            if check_model is not None:
+                check_model(model_config)
+
+        @classmethod
+        def verify_and_update_config(cls, vllm_config) -> None:
+            for parent in parents:
+                parent.verify_and_update_config(vllm_config)
+            check(vllm_config)
+
+    setattr(Policy, _MARKER, key)
+    Policy.__name__ = Policy.__qualname__ = name
+    return Policy
+
+
+def install_policy(
+    architectures: Iterable[str],
+    check: Callable,
+    *,
+    check_model: Callable | None = None,
+    base: type | None = None,
+    name: str = "StartupPolicy",
+) -> list[str]:
+    """Hook ``check(vllm_config)`` (and ``check_model(model_config)``) into vLLM's config checks.
+
+    ``check`` raises, with the reason and the fix, on what the adapter cannot serve.
+    Returns the architectures installed by this call.
+    """
+    from vllm.model_executor.models.config import MODELS_CONFIG_MAP
+
+    key = _key(check)
+    done = []
+    for arch in architectures:
+        current = MODELS_CONFIG_MAP.get(arch)
+        if getattr(current, _MARKER, None) == key:
+            continue
+        MODELS_CONFIG_MAP[arch] = policy_class(current, check, check_model=check_model, base=base, name=name)
+        done.append(arch)
+    return done

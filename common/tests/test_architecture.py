@@ -1,0 +1,189 @@
+"""The import rules and rooms of docs/architecture.md, checked mechanically (AST scan, nothing imported).
+
+* common never imports an adapter; an adapter never imports another adapter.
+* Engine versions are known in one place: ``engine_version``/``engine_at_least`` and the engine's own
+  version (``vllm.__version__``, ``vllm.version``) appear only in common/compat.py; adapters import no
+  ``packaging`` (no version comparisons of their own).
+* Every adapter package has the same rooms, its ``__init__`` imports no torch/vLLM/transformers at
+  module level, and test-only references live under tests/, not in the wheel.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+COMMON_SRC = ROOT / "common" / "src" / "ascend_adapters" / "common"
+COMPAT = COMMON_SRC / "compat.py"
+ADAPTERS = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "src" / "ascend_adapters" / p.name).is_dir())
+ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kernels.py", "tiny.py")
+# Files an adapter may have besides its rooms, each with a role docs/architecture.md names.
+EXTRA_ROOMS = {
+    "rwkv7": {"tokenizer.py", "convert.py"},
+    "glm_dsa": {"arch.py", "backend.py"},
+    "deepseek_v4": set(),
+}
+HEAVY = ("torch", "vllm", "transformers", "torch_npu")
+VERSION_NAMES = {"engine_version", "engine_at_least"}
+
+
+def _src_files(pkg_dir: Path) -> list[Path]:
+    return sorted(p for p in pkg_dir.rglob("*.py") if "__pycache__" not in p.parts)
+
+
+def _adapter_dir(name: str) -> Path:
+    return ROOT / "models" / name / "src" / "ascend_adapters" / name
+
+
+def _imports(tree: ast.AST) -> list[tuple[int, str]]:
+    """(line, module) for every import, absolute names only (``from . import x`` is package-local)."""
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node.lineno, node.module))
+            out += [(node.lineno, f"{node.module}.{a.name}") for a in node.names]
+    return out
+
+
+def _parse(path: Path) -> ast.AST:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+def _adapter_imported(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] == "ascend_adapters" and len(parts) > 1 and parts[1] != "common":
+        return parts[1]
+    return None
+
+
+def test_there_are_adapters_to_check():
+    assert {"rwkv7", "glm_dsa", "deepseek_v4"} <= set(ADAPTERS)
+
+
+def test_common_never_imports_an_adapter():
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: imports {mod}"
+        for p in _src_files(COMMON_SRC)
+        for line, mod in _imports(_parse(p))
+        if _adapter_imported(mod)
+    ]
+    assert not bad, "common must not import adapters:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_adapter_imports_only_itself_and_common(adapter):
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: imports {mod}"
+        for p in _src_files(_adapter_dir(adapter))
+        for line, mod in _imports(_parse(p))
+        if _adapter_imported(mod) not in (None, adapter)
+    ]
+    assert not bad, f"{adapter} imports another adapter:\n" + "\n".join(bad)
+
+
+def _version_uses(path: Path) -> list[str]:
+    tree = _parse(path)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in VERSION_NAMES:
+            found.append(f"{node.lineno}: {node.id}")
+        elif isinstance(node, ast.Attribute) and node.attr in VERSION_NAMES:
+            found.append(f"{node.lineno}: .{node.attr}")
+        elif isinstance(node, ast.Attribute) and node.attr == "__version__":
+            if isinstance(node.value, ast.Name) and node.value.id == "vllm":
+                found.append(f"{node.lineno}: vllm.__version__")
+    for line, mod in _imports(tree):
+        if (
+            mod in ("vllm.__version__", "vllm.version")
+            or mod.startswith("vllm.version.")
+            or mod.endswith(tuple(f".{n}" for n in VERSION_NAMES))
+        ):
+            found.append(f"{line}: import {mod}")
+    return found
+
+
+def test_engine_versions_are_known_only_in_compat():
+    files = _src_files(COMMON_SRC) + [f for a in ADAPTERS for f in _src_files(_adapter_dir(a))]
+    files += sorted((ROOT / "models").glob("*/bench/*.py")) + sorted((ROOT / "common" / "bench").glob("*.py"))
+    bad = [f"{p.relative_to(ROOT)}:{use}" for p in files if p != COMPAT for use in _version_uses(p)]
+    assert not bad, "engine-version checks belong in common/compat.py (add a named function there):\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_adapters_compare_no_versions(adapter):
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: imports {mod}"
+        for p in _src_files(_adapter_dir(adapter))
+        for line, mod in _imports(_parse(p))
+        if mod.split(".")[0] == "packaging"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_same_rooms_in_every_adapter(adapter):
+    have = {p.name for p in _adapter_dir(adapter).glob("*.py")}
+    missing = set(ROOMS) - have
+    assert not missing, f"{adapter} lacks {sorted(missing)}"
+    unexplained = have - set(ROOMS) - EXTRA_ROOMS.get(adapter, set())
+    assert not unexplained, f"{adapter}: {sorted(unexplained)} have no room in docs/architecture.md"
+    refs = [n for n in have if n.endswith("_ref.py") or "reference" in n]
+    assert not refs, f"{adapter}: test references {refs} belong under models/{adapter}/tests/"
+
+
+@pytest.mark.parametrize("adapter", ADAPTERS)
+def test_hook_module_is_light(adapter):
+    """``register()`` runs in every vLLM process: the package's __init__ imports nothing heavy at module level."""
+    init = _adapter_dir(adapter) / "__init__.py"
+    tree = _parse(init)
+    bad = []
+    for node in tree.body:  # module level only; imports inside register() are lazy
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            for line, mod in _imports(node):
+                if mod.split(".")[0] in HEAVY or (_adapter_imported(mod) == adapter and mod.count(".") > 1):
+                    bad.append(f"{line}: {mod}")
+    assert not bad, f"{init.relative_to(ROOT)} imports at module level:\n" + "\n".join(bad)
+
+
+def test_architecture_doc_names_every_room():
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    for room in ROOMS:
+        assert f"`{room}`" in doc, room
+    for adapter, extra in EXTRA_ROOMS.items():
+        for room in extra:
+            assert f"`{adapter}/{room}`" in doc, f"{adapter}/{room}"
+
+
+def test_vendor_code_only_inside_functions():
+    """torch_npu is imported lazily by NPU twins (behind common.dispatch), never at module level."""
+    files = _src_files(COMMON_SRC) + [f for a in ADAPTERS for f in _src_files(_adapter_dir(a))]
+    bad = [
+        f"{p.relative_to(ROOT)}:{line}: {mod}"
+        for p in files
+        for node in _parse(p).body
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+        for line, mod in _imports(node)
+        if mod.split(".")[0] == "torch_npu"
+    ]
+    assert not bad, "\n".join(bad)
+
+
+def test_every_environment_variable_is_in_the_serve_table():
+    """Each ASCEND_ADAPTERS_* name the code reads or sets is a row of docs/serve.md's table."""
+    import re
+
+    code = [ROOT / "noxfile.py", ROOT / "conftest.py"]
+    code += [p for d in ("common", "models") for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts]
+    names = set()
+    for p in code:
+        names |= set(re.findall(r"ASCEND_ADAPTERS_[A-Z0-9_]*[A-Z0-9]", p.read_text()))
+    names.discard("ASCEND_ADAPTERS_FLAGS_TEST")  # test_flags.py's scratch variable
+    rows = set(re.findall(r"^\| `(ASCEND_ADAPTERS_[A-Z0-9_]+)` \|", (ROOT / "docs" / "serve.md").read_text(), re.M))
+    assert names, "no variables found: the scan is broken"
+    assert not names - rows, f"missing from docs/serve.md's table: {sorted(names - rows)}"
+    assert not rows - names, f"in docs/serve.md's table but read nowhere: {sorted(rows - names)}"

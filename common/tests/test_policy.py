@@ -1,0 +1,142 @@
+"""common.policy: one way to hook vLLM's per-architecture config checks (vLLM's real table)."""
+
+from __future__ import annotations
+
+import pytest
+from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig, VerifyAndUpdateConfig
+
+from ascend_adapters.common.policy import install_policy
+
+ARCH = "AscendAdaptersPolicyTestForCausalLM"
+
+
+@pytest.fixture
+def table_entry():
+    """A made-up architecture in vLLM's table, with a vLLM-side class that records its calls."""
+    calls = []
+
+    class VllmSide(VerifyAndUpdateConfig):
+        @staticmethod
+        def verify_and_update_config(vllm_config) -> None:
+            calls.append(("vllm", vllm_config))
+
+        @staticmethod
+        def verify_and_update_model_config(model_config) -> None:
+            calls.append(("vllm-model", model_config))
+
+    MODELS_CONFIG_MAP[ARCH] = VllmSide
+    try:
+        yield VllmSide, calls
+    finally:
+        MODELS_CONFIG_MAP.pop(ARCH, None)
+
+
+def test_parent_first_then_adapter(table_entry):
+    vllm_side, calls = table_entry
+
+    def check(vllm_config):
+        calls.append(("adapter", vllm_config))
+
+    def check_model(model_config):
+        calls.append(("adapter-model", model_config))
+
+    assert install_policy([ARCH], check, check_model=check_model, name="TestPolicy") == [ARCH]
+    cls = MODELS_CONFIG_MAP[ARCH]
+    assert issubclass(cls, vllm_side) and cls.__name__ == "TestPolicy"
+    cls.verify_and_update_model_config("mc")
+    cls.verify_and_update_config("vc")
+    assert calls == [("vllm-model", "mc"), ("adapter-model", "mc"), ("vllm", "vc"), ("adapter", "vc")]
+
+
+def test_refusal_propagates_after_vllm_ran(table_entry):
+    _, calls = table_entry
+
+    def check(vllm_config):
+        raise ValueError("adapter refuses: the reason and the fix")
+
+    install_policy([ARCH], check)
+    with pytest.raises(ValueError, match="adapter refuses"):
+        MODELS_CONFIG_MAP[ARCH].verify_and_update_config("vc")
+    assert calls == [("vllm", "vc")]
+
+
+def test_idempotent_and_kept_under_a_subclass(table_entry):
+    def check(vllm_config):
+        pass
+
+    assert install_policy([ARCH], check) == [ARCH]
+    first = MODELS_CONFIG_MAP[ARCH]
+    assert install_policy([ARCH], check) == []
+    assert MODELS_CONFIG_MAP[ARCH] is first
+
+    class SomeoneElses(first):  # another plugin wrapped ours: ours still runs, so leave it
+        pass
+
+    MODELS_CONFIG_MAP[ARCH] = SomeoneElses
+    assert install_policy([ARCH], check) == []
+    assert MODELS_CONFIG_MAP[ARCH] is SomeoneElses
+
+
+def test_base_joins_the_mapped_class(table_entry):
+    vllm_side, calls = table_entry
+    seen = []
+
+    def check(vllm_config):
+        seen.append(vllm_config.cache_config.mamba_block_size)
+
+    install_policy([ARCH], check, base=MambaModelConfig)
+    cls = MODELS_CONFIG_MAP[ARCH]
+    assert issubclass(cls, vllm_side) and issubclass(cls, MambaModelConfig)
+
+    class Cfg:  # only the attributes MambaModelConfig reads and writes
+        class model_config:
+            max_model_len = 77
+            architecture = ARCH
+
+        class cache_config:
+            enable_prefix_caching = False
+            mamba_cache_mode = "none"
+            mamba_block_size = None
+
+    cls.verify_and_update_config(Cfg)
+    # vLLM's entry ran, then MambaModelConfig sized the state block, then the adapter's check
+    assert calls == [("vllm", Cfg)] and seen == [77]
+
+
+def test_base_runs_when_the_mapped_class_has_no_hook_of_its_own():
+    class ModelOnly(VerifyAndUpdateConfig):  # like vLLM's DeepseekV4ForCausalLMConfig
+        pass
+
+    MODELS_CONFIG_MAP[ARCH] = ModelOnly
+    seen = []
+    try:
+        install_policy([ARCH], lambda c: seen.append(c.cache_config.mamba_block_size), base=MambaModelConfig)
+
+        class Cfg:
+            class model_config:
+                max_model_len = 77
+                architecture = ARCH
+
+            class cache_config:
+                enable_prefix_caching = False
+                mamba_cache_mode = "none"
+                mamba_block_size = None
+
+        MODELS_CONFIG_MAP[ARCH].verify_and_update_config(Cfg)
+        assert seen == [77]  # MambaModelConfig sized the state block before the adapter's check ran
+    finally:
+        MODELS_CONFIG_MAP.pop(ARCH, None)
+
+
+def test_no_vllm_entry_gives_a_plain_hook():
+    MODELS_CONFIG_MAP.pop(ARCH, None)
+    seen = []
+    try:
+        install_policy([ARCH], seen.append)
+        cls = MODELS_CONFIG_MAP[ARCH]
+        assert cls.__mro__[1] is VerifyAndUpdateConfig
+        cls.verify_and_update_model_config("mc")
+        cls.verify_and_update_config("vc")
+        assert seen == ["vc"]
+    finally:
+        MODELS_CONFIG_MAP.pop(ARCH, None)

@@ -1,0 +1,66 @@
+"""What the portable DeepSeek-V4 model refuses at start-up, with the reason and the fix.
+
+Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
+config hook, over vLLM's own class for ``DeepseekV4ForCausalLM`` and its
+``MambaModelConfig`` (which sizes the per-request state block): vLLM's checks
+run first, then ``check_startup``, before any weights load.
+"""
+
+from __future__ import annotations
+
+from ascend_adapters.deepseek_v4.config import (
+    ARCH,
+    COMPRESSED_ENV,
+    LAYER_SLIDING,
+    MODEL_TYPE,
+    max_exact_len,
+    validate_config,
+)
+
+
+def check_startup(vllm_config) -> None:
+    model_config = vllm_config.model_config
+    hf = model_config.hf_config
+    if getattr(hf, "model_type", None) != MODEL_TYPE or not hasattr(hf, "layer_types"):
+        raise ValueError(
+            f"{ARCH} (ascend-adapters portable path) needs a DeepSeek-V4 config read by transformers' "
+            f"DeepseekV4Config; got {type(hf).__name__}. Was the config passed with a non-'hf' "
+            "--config-format?"
+        )
+    validate_config(hf, source=str(model_config.model))
+    cache_config = vllm_config.cache_config
+    if cache_config.enable_prefix_caching:
+        raise ValueError(
+            f"{ARCH} (ascend-adapters portable path) keeps per-request attention state and does not "
+            "support prefix caching; drop --enable-prefix-caching."
+        )
+    limit = max_exact_len(hf)
+    if limit is not None and model_config.max_model_len > limit:
+        raise ValueError(
+            f"{ARCH}: max_model_len={model_config.max_model_len} exceeds what is exact with the "
+            f"compressed attention branches (CSA/HCA) switched off ({COMPRESSED_ENV}=0): {limit} "
+            f"tokens (sliding window {hf.sliding_window}; the first compressed entry joins attention "
+            f"at position {min(hf.compress_rates[t] for t in set(hf.layer_types) - {LAYER_SLIDING}) - 1}"
+            f"). Use --max-model-len {limit} or unset {COMPRESSED_ENV} (the default serves any length "
+            "exactly)."
+        )
+    quant = model_config.quantization or getattr(hf, "quantization_config", None)
+    method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
+    if quant and method != "modelslim":
+        raise ValueError(
+            f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
+            f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "
+            "(e.g. a ModelSlim W8A8 export) is not implemented for DeepSeek-V4 yet."
+        )
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is not None:
+        raise ValueError(f"{ARCH} (ascend-adapters portable path): speculative decoding is not supported")
+
+
+def install() -> None:
+    """Idempotent."""
+    from vllm.model_executor.models.config import MambaModelConfig
+
+    from ascend_adapters.common.policy import install_policy
+
+    install_policy([ARCH], check_startup, base=MambaModelConfig, name="DeepseekV4StartupPolicy")
