@@ -192,10 +192,19 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run."""
+    """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run.
+
+    `-- --evidence-dir evidence` also writes each script's evidence record there (scripts read
+    it from $ASCEND_ADAPTERS_EVIDENCE_DIR, see testing.evidence.add_evidence_dir_argument).
+    """
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
+    posargs, bench_env = list(session.posargs), dict(TEST_ENV)
+    if "--evidence-dir" in posargs:
+        i = posargs.index("--evidence-dir")
+        bench_env["ASCEND_ADAPTERS_EVIDENCE_DIR"] = str(Path(posargs[i + 1]).resolve())
+        del posargs[i : i + 2]
     for pkg, path in PACKAGES.items():
         for script in sorted((ROOT / path / "bench").glob("bench_*.py")):
             session.log(f"== {pkg}: {script.name}")
@@ -204,8 +213,8 @@ def bench(session: nox.Session) -> None:
                 str(script),
                 "--out",
                 str(out_dir / f"{script.stem}.json"),
-                *session.posargs,
-                env=TEST_ENV,
+                *posargs,
+                env=bench_env,
                 external=True,
             )
     session.log(f"bench results: {out_dir}")
@@ -220,4 +229,13 @@ def evidence(session: nox.Session) -> None:
         python,
         ["-m", "gate", *_tests_of(list(PACKAGES))],
         extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
+    )
+
+
+@nox.session
+def evidence_check(session: nox.Session) -> None:
+    """Fast (no engine start): fail when a committed evidence record is stale for the sources it certifies."""
+    python = provision(session, "all", list(PACKAGES))
+    session.run(
+        str(python), "-m", "ascend_adapters.common.cli", "evidence", "check", str(ROOT / "evidence"), external=True
     )

@@ -1,6 +1,10 @@
 """Admission benchmark: sha256 throughput vs `sha256sum`, and header-check cost per GiB.
 
-    python common/bench/bench_hashing.py --quick [--out result.json]
+    python common/bench/bench_hashing.py --quick [--out result.json] [--evidence-dir evidence]
+
+With --evidence-dir (or $ASCEND_ADAPTERS_EVIDENCE_DIR, set by `nox -s bench -- --evidence-dir
+evidence`) the ratios go into an evidence record, common-admission/bench-hashing.json, with the
+load average at start and end and the versions.
 
 1. single file: ``hashing.sha256_file`` vs ``sha256sum FILE`` (same file, page cache warm,
    best of --repeat runs each, interleaved).
@@ -32,6 +36,7 @@ from pathlib import Path
 from ascend_adapters.common.admission.checks import inspect_dir
 from ascend_adapters.common.admission.hashing import default_jobs, hash_files, sha256_file
 from ascend_adapters.common.admission.report import Report
+from ascend_adapters.common.testing.evidence import BenchRun, add_evidence_dir_argument
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -204,6 +209,7 @@ def main() -> int:
     ap.add_argument("--quick", action="store_true", help="small sizes (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
     ap.add_argument("--dir", help="scratch directory (default: a temporary one)")
+    add_evidence_dir_argument(ap)
     args = ap.parse_args()
     if shutil.which("sha256sum") is None:
         print("sha256sum not found: install coreutils")
@@ -212,6 +218,7 @@ def main() -> int:
         single, shards, shard_size, gib, repeat = 64 * MiB, 4, 32 * MiB, 8, 2
     else:
         single, shards, shard_size, gib, repeat = 1 * GiB, 8, 256 * MiB, 200, 3
+    run = BenchRun("common-admission", "hashing")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="bench-hashing-") as tmp:
         tmp = Path(tmp)
         res = {
@@ -242,6 +249,21 @@ def main() -> int:
           f"{h['inspect_ms_per_1000_tensors']:.2f} ms per 1000 tensors{peer}")  # fmt: skip
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))
+    run.metric("quick", args.quick)
+    run.metric("results", res)
+    run.check("digests agree with sha256sum (single file and every shard)", True)  # asserted above
+    run.ratio("single_file_sha256_vs_sha256sum", s["ours_s"], s["sha256sum_s"], "sha256sum", MiB=s["bytes"] / MiB,
+              ours_MiB_s=round(s["ours_MiB_s"], 1), peer_MiB_s=round(s["sha256sum_MiB_s"], 1))  # fmt: skip
+    run.ratio("multi_shard_parallel_vs_sequential_sha256sum", m["ours_parallel_s"], m["sha256sum_sequential_s"],
+              "sha256sum (sequential)", shards=m["shards"], jobs=m["jobs"],
+              ours_MiB_s=round(m["ours_parallel_MiB_s"], 1), peer_MiB_s=round(m["sha256sum_MiB_s"], 1))  # fmt: skip
+    if h.get("safetensors_lib_s"):
+        run.ratio("header_checks_vs_safetensors_lib", h["inspect_s"], h["safetensors_lib_s"],
+                  "safetensors safe_open headers", tensors=h["tensors"],
+                  ours_ms_per_GiB=round(h["inspect_ms_per_GiB"], 3))  # fmt: skip
+    path = run.write(args.evidence_dir)
+    if path:
+        print(f"evidence record: {path}")
     return 0
 
 

@@ -9,8 +9,6 @@ agreement and logit error are reported. Both go to evidence records.
 
 from __future__ import annotations
 
-import warnings
-
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -155,22 +153,41 @@ def _autoselect_chain_broken() -> str | None:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
+def test_foreign_hf_config_parser_breaking_the_chain_is_caught():
+    """The guard above names a parser registered for 'hf' that does not chain to ours (no engine start)."""
+    from vllm.transformers_utils import config as vcfg
+
+    saved = dict(vcfg._CONFIG_FORMAT_TO_CONFIG_PARSER)
+    try:
+        assert _autoselect_chain_broken() is None  # every installed plugin chains today
+
+        class ForeignParser(vcfg.HFConfigParser):  # what a careless adapter would register
+            pass
+
+        vcfg._CONFIG_FORMAT_TO_CONFIG_PARSER["hf"] = ForeignParser
+        assert _autoselect_chain_broken().endswith("ForeignParser")
+    finally:
+        vcfg._CONFIG_FORMAT_TO_CONFIG_PARSER.clear()
+        vcfg._CONFIG_FORMAT_TO_CONFIG_PARSER.update(saved)
+
+
 def test_vllm_serve_autoselects_modelslim(exports, evidence_root):
     """`vllm serve DIR` on an unmodified msmodelslim export picks the modelslim method by itself."""
     from ascend_adapters.common.server import VllmServer
 
     rec = EvidenceRecord(model="common-quant", gate="modelslim-autoselect-vllm-serve")
-    env = {}
+    # A hook that replaces the 'hf' config parser without chaining to ours disables auto-selection for
+    # every user of this environment: that is the product bug this test is here to catch, so it fails.
     foreign = _autoselect_chain_broken()
-    if foreign:
-        msg = (
-            f"another vllm.general_plugins hook registered the 'hf' config parser {foreign} without chaining "
-            "to the one registered before it, which disables ModelSlim auto-selection in this environment; "
-            "this test therefore serves with VLLM_PLUGINS=ascend_adapters_common"
-        )
-        warnings.warn(msg, stacklevel=1)
-        rec.notes.append(msg)
-        env["VLLM_PLUGINS"] = "ascend_adapters_common"
+    chained = rec.check(
+        "every installed vllm.general_plugins hook keeps the ModelSlim-aware 'hf' config parser in the chain",
+        foreign is None,
+        None if foreign is None else f"{foreign} replaced it without chaining",
+    )
+    if not chained:
+        rec.write(evidence_root)
+    assert chained, f"the 'hf' config parser {foreign} does not chain to the ModelSlim-aware one"
+    env = {}
     prompt = _prompts()[1]
     with VllmServer(exports["dynamic"], env=env) as srv:
         rec.command(" ".join(srv.cmd))

@@ -42,7 +42,7 @@ def _run(tiny, evidence_root, gate, llm_kwargs):
     rec.metric("per_sequence", rep.per_sequence)
     ok_l = rec.check("logits within 1e-3 at every position", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}")
     ok_t = rec.check("greedy tokens identical", rep.tokens_identical, rep.first_divergence)
-    rec.skip("bfloat16 parity", "transformers' DeepSeek-V4 bfloat16 path fails on CPU (dtype mismatch)")
+    rec.notes.append("bfloat16: test_deepseek_v4_bf16.py (against transformers in bfloat16)")
     rec.write(evidence_root)
     assert ok_l, rep.as_dict()
     assert ok_t, rep.as_dict()
@@ -60,36 +60,3 @@ def test_parity_batched_chunked_prefill_beyond_window(tiny, evidence_root):
         "parity_batched_chunked_prefill",
         {"max_num_batched_tokens": 16, "enable_chunked_prefill": True, "max_num_seqs": 4},
     )
-
-
-@pytest.mark.vllm
-@pytest.mark.gate
-def test_bfloat16_serves_near_float32_reference(tiny, evidence_root):
-    """bfloat16, the dtype released checkpoints use, serves (its state-cache writes once crashed on
-    the dtype). transformers' bfloat16 path fails on CPU, so the reference is float32 and the bound
-    is bfloat16 noise: the median position within 5% of the logit range. A few positions deviate
-    more where bfloat16 flips a discrete top-k choice (routed experts, indexer); they are recorded,
-    not bounded. The float32 tests above hold the exact bound."""
-    import torch
-
-    model_dir, ref = tiny
-    ps = prompts((7, 61), seed=12)
-    rec = EvidenceRecord(model="deepseek_v4", gate="bfloat16_vs_float32_reference")
-    rec.command(f"vllm.LLM({model_dir}, dtype=bfloat16) greedy 4 tokens, raw logits; reference float32 transformers")
-    res = vllm_logits(model_dir, [ps], max_tokens=4, llm_kwargs={"max_model_len": 256, "dtype": "bfloat16"})
-    rows, scale = [], 0.0
-    for seq in res[0]:
-        assert len(seq.gen_ids) == 4 and torch.isfinite(seq.logits).all()
-        r = torch.as_tensor(ref(seq.positions_ids), dtype=torch.float32)
-        rows.append((r - seq.logits.float()[:, : r.shape[1]]).abs().max(-1).values)
-        scale = max(scale, float(r.abs().max()))
-    per_pos = torch.cat(rows)
-    median = float(per_pos.median())
-    rec.metric("median_position_max_abs_diff", median)
-    rec.metric("max_abs_logit_diff", float(per_pos.max()))
-    rec.metric("positions_over_5pct", int((per_pos > 0.05 * scale).sum()))
-    rec.metric("max_abs_logit", scale)
-    ok = rec.check("median position within 5% of the float32 logit range", median < 0.05 * scale, f"{median:.3e}")
-    rec.skip("bfloat16 exact parity", "no bfloat16 reference runs on CPU (transformers' DeepSeek-V4 bf16 path fails)")
-    rec.write(evidence_root)
-    assert ok, (median, scale, per_pos.tolist())

@@ -36,10 +36,10 @@ def _served_ids(srv, ids):
     return [int(t.split(":", 1)[1]) for t in r["choices"][0]["logprobs"]["tokens"]]
 
 
-def _greedy_gate(model_dir, ref_dir, gate, evidence_root, extra_checks=None):
+def _greedy_gate(model_dir, ref_dir, gate, evidence_root, extra_checks=None, lengths=(6, 40)):
     rec = EvidenceRecord(model="deepseek_v4", gate=gate)
     model = hf_model(ref_dir)
-    ps = prompts((6, 40), seed=21)
+    ps = prompts(lengths, seed=21)
     with VllmServer(model_dir, startup_timeout=600) as srv:
         rec.command(" ".join(srv.cmd))
         rec.metric("startup_s", round(srv.timings.startup_s, 1))
@@ -71,7 +71,44 @@ def test_serve_transformers_saved_config(ckpts, evidence_root):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_serve_native_deepseek_layout(ckpts, evidence_root):
-    _greedy_gate(ckpts["native"], ckpts["hf128"], "serve_native_layout", evidence_root)
+    # HCA rate 128 in the native config: a 150-token prompt reaches the first HCA entry (position 127)
+    _greedy_gate(ckpts["native"], ckpts["hf128"], "serve_native_layout", evidence_root, lengths=(6, 40, 150))
+
+
+HCA_RATE_NATIVE = 128
+NATIVE_TOL = 1e-3  # float32 both sides, as the parity gate: rounding only, ~1e-6 measured there
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_native_layout_logits_through_hca_entries(ckpts, evidence_root):
+    """The native layout (fused wqa_wkv, native names, DeepSeek's config keys) gives the transformers
+    model's logits at every position, with prompts long enough that HCA (rate 128) has entries."""
+    import json
+
+    from _dsv4_cases import reference_fn
+
+    from ascend_adapters.common.testing.parity import compare, vllm_logits
+
+    cfg = json.loads((ckpts["native"] / "config.json").read_text())
+    assert HCA_RATE_NATIVE in cfg["compress_ratios"]
+    lengths = (40, 150, 200)  # the first HCA entry closes at position 127: two prompts attend to it
+    rec = EvidenceRecord(model="deepseek_v4", gate="native_layout_logits_hca")
+    ps = prompts(lengths, seed=22)
+    rec.command("vllm.LLM(<native layout dir>, float32, max_model_len=256) greedy 8 tokens, raw logits; "
+                "reference transformers DeepseekV4ForCausalLM (float32) on the transformers-saved twin")  # fmt: skip
+    (res,) = vllm_logits(ckpts["native"], [ps], max_tokens=8, llm_kwargs={"max_model_len": 256})
+    rep = compare(res, reference_fn(hf_model(ckpts["hf128"])))
+    rec.metric("prompt_lengths", list(lengths))
+    rec.metric("hca_rate", HCA_RATE_NATIVE)
+    rec.metric("hca_entries_reached", [(n + 8 - 1) // HCA_RATE_NATIVE for n in lengths])
+    rec.metric("max_abs_logit_diff", rep.max_abs_diff)
+    rec.metric("per_sequence", rep.per_sequence)
+    ok_l = rec.check(f"logits within {NATIVE_TOL} at every position", rep.max_abs_diff < NATIVE_TOL,
+                     f"{rep.max_abs_diff:.3e}")  # fmt: skip
+    ok_t = rec.check("greedy tokens identical", rep.tokens_identical, rep.first_divergence)
+    rec.write(evidence_root)
+    assert ok_l and ok_t, rep.as_dict()
 
 
 def _with_extra_tensor(src, dst):
@@ -91,6 +128,7 @@ def _args(max_len="256", *extra):
 
 
 @pytest.mark.vllm
+@pytest.mark.gate
 def test_startup_fails_closed_on_unmapped_native_tensor(ckpts, evidence_root):
     """The weights load in the worker: an unknown native tensor stops serving, named in the log."""
     model = _with_extra_tensor(ckpts["native"], ckpts["root"] / "native_extra")
@@ -136,6 +174,7 @@ def _w8a8_export(ckpts, name, edit):
 
 
 @pytest.mark.vllm
+@pytest.mark.gate
 @pytest.mark.parametrize(
     "case", ["window_only_beyond_window", "prefix_caching", "w8a8_unknown_quant_type", "w8a8_missing_companion"]
 )

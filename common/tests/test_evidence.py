@@ -1,0 +1,103 @@
+"""Evidence records name the sources they certify; `ascend-adapters evidence check` notices when they change."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from ascend_adapters.common.cli import main as cli_main
+from ascend_adapters.common.testing import evidence as ev
+
+
+@pytest.fixture
+def fake_package(tmp_path, monkeypatch):
+    """``ascend_adapters.evfake``: a package whose sources the test can change."""
+    root = tmp_path / "site"
+    pkg = root / "ascend_adapters" / "evfake"
+    pkg.mkdir(parents=True)
+    (pkg / "__init__.py").write_text("X = 1\n")
+    (pkg / "data.json").write_text("{}\n")
+    (pkg / "__pycache__").mkdir()
+    (pkg / "__pycache__" / "junk.pyc").write_bytes(b"ignored")
+    monkeypatch.syspath_prepend(str(root))
+    assert ev.package_dir("evfake") == pkg
+    return pkg
+
+
+def _index_rows(root, *models):
+    """The index rows of these models (whatever the column layout, a row starts with its model)."""
+    lines = (root / "index.md").read_text().splitlines()
+    rows = [ln for ln in lines if any(ln.startswith(f"| {m} |") for m in models)]
+    assert rows, lines
+    return rows
+
+
+def _record(model, root, **kw):
+    rec = ev.EvidenceRecord(model=model, gate="g", **kw)
+    rec.check("ran", True)
+    return rec.write(root)
+
+
+def test_record_carries_source_digests_per_model_coverage(tmp_path):
+    root = tmp_path / "evidence"
+    common = json.loads(_record("common-quant", root).read_text())
+    assert set(common["sources"]) == {"common"}
+    assert common["sources"]["common"]["files"] > 10 and len(common["sources"]["common"]["sha256"]) == 64
+    rwkv = json.loads(_record("rwkv7", root).read_text())
+    assert set(rwkv["sources"]) == {"common", "rwkv7"} and rwkv["sources"]["rwkv7"] is not None
+    assert rwkv["sources"]["common"] == common["sources"]["common"]
+    load = common["platform"]["loadavg"]
+    assert len(load) == 3 and all(x >= 0 for x in load)
+    assert ev.check_fresh(root) == []
+    assert cli_main(["evidence", "check", str(root)]) == 0
+    assert all(" fresh " in r for r in _index_rows(root, "common-quant", "rwkv7"))
+
+
+def test_check_names_the_stale_record_and_the_changed_package(tmp_path, fake_package, capsys):
+    root = tmp_path / "evidence"
+    before = ev.package_digest("evfake")
+    (fake_package / "__pycache__" / "junk.pyc").write_bytes(b"still ignored")
+    assert ev.package_digest("evfake") == before  # caches are not sources
+    path = _record("fake", root, sources=("common", "evfake"))
+    _record("rwkv7", root)
+    assert cli_main(["evidence", "check", str(root)]) == 0
+    (fake_package / "data.json").write_text('{"changed": true}\n')  # package data counts
+    problems = ev.check_fresh(root)
+    assert len(problems) == 1 and str(path) in problems[0] and "ascend_adapters.evfake" in problems[0]
+    assert "ascend_adapters.common" not in problems[0]
+    capsys.readouterr()
+    assert cli_main(["evidence", "check", str(root)]) == 1
+    out = capsys.readouterr().out
+    assert f"STALE {path}" in out and "1/2 records" in out
+    ev.write_index(root)
+    assert "stale (evfake)" in _index_rows(root, "fake")[0]
+    # a file added or renamed changes the digest too
+    (fake_package / "data.json").write_text("{}\n")
+    assert ev.check_fresh(root) == []
+    (fake_package / "new.py").write_text("")
+    assert len(ev.check_fresh(root)) == 1
+
+
+def test_check_refuses_records_without_digest_and_empty_dirs(tmp_path, capsys):
+    root = tmp_path / "evidence"
+    path = _record("tiny_llama", root)
+    rec = json.loads(path.read_text())
+    del rec["sources"]
+    path.write_text(json.dumps(rec))
+    assert cli_main(["evidence", "check", str(root)]) == 1
+    assert "no source digest" in capsys.readouterr().out
+    assert cli_main(["evidence", "check", str(tmp_path / "nothing")]) == 2
+
+
+def test_bench_run_writes_ratio_record_with_load(tmp_path):
+    run = ev.BenchRun("common-admission", "unit")
+    assert run.ratio("x", ours_s=0.5, peer_s=2.0, peer="peer") == 4.0
+    run.check("agrees with peer", True)
+    assert run.write(None) is None  # no directory: no record
+    rec = json.loads(run.write(tmp_path).read_text())
+    assert rec["gate"] == "bench-unit" and rec["passed"]
+    assert rec["metrics"]["ratios"]["x"] == {"ratio": 4.0, "ours_s": 0.5, "peer_s": 2.0, "peer": "peer"}
+    assert rec["extra"]["load"]["cpu_count"] == os.cpu_count() and len(rec["extra"]["load"]["end"]) == 3
+    assert set(rec["sources"]) == {"common"}
