@@ -242,3 +242,22 @@ def moe_select_experts(layer, x, router_logits):
         routed_scaling_factor=1.0 if scale is None else scale,
         e_score_correction_bias=layer.e_score_correction_bias,
     )
+
+
+# -- attention backends ---------------------------------------------------------------------
+
+
+def latent_kv_cache_shape(
+    num_blocks: int, block_size: int, num_kv_heads: int, head_size: int, cache_dtype_str: str = "auto"
+) -> tuple[int, int, int]:
+    """``get_kv_cache_shape`` of an out-of-tree backend whose layers keep one latent row per token (MLA-like).
+
+    0.27/0.28 ask every attention backend for its cache shape
+    (``AttentionBackend.get_kv_cache_shape``, abstract there); 0.32 derives the
+    shape from the layer's KV-cache spec and never asks. Assign it in the backend:
+    ``get_kv_cache_shape = staticmethod(compat.latent_kv_cache_shape)``. The layer
+    then receives ``[num_blocks, block_size, head_size]`` (0.27/0.28).
+    """
+    if num_kv_heads != 1:
+        raise ValueError(f"a latent cache has one KV head, got num_kv_heads={num_kv_heads}")
+    return (num_blocks, block_size, head_size)

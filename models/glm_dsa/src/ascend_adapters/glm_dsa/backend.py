@@ -21,6 +21,8 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from ascend_adapters.common import compat
+
 
 @dataclass
 class GlmDsaMetadata(AttentionMetadata):
@@ -79,6 +81,8 @@ class GlmDsaPortableBackend(AttentionBackend):
     @staticmethod
     def get_builder_cls():
         return GlmDsaMetadataBuilder
+
+    get_kv_cache_shape = staticmethod(compat.latent_kv_cache_shape)  # asked by vLLM 0.27/0.28 only
 
     @classmethod
     def is_mla(cls) -> bool:
