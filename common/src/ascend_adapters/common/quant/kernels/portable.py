@@ -1,8 +1,10 @@
 """Portable torch implementation of the ModelSlim W8A8 kernels (CPU, any device).
 
 The integer part is exact: int8 x int8 products are accumulated in int32
-(``torch._int_mm`` where the backend has it, an exact float64 matmul otherwise:
-|acc| <= K * 128 * 128 stays far below 2**53). Rounding is round-half-to-even
+(``torch._int_mm`` where the backend has it; otherwise float32 matmuls over
+blocks of at most 1024 along K, each exact because every partial sum is an
+integer of magnitude <= 1024 * 128 * 128 = 2**24, summed in int32). No float64:
+Ascend devices have none. Rounding is round-half-to-even
 (``torch.round``). The equations are those of REFERENCE §2:
 
     dynamic: s[t] = max|x[t]| / 127, xq = round(x / s), y = (xq @ W.T) * weight_scale[n] * s[t] (+ bias)
@@ -20,6 +22,10 @@ import torch
 from ascend_adapters.common import dispatch
 
 _INT_MM_OK: bool | None = None
+
+# float32 represents every integer up to 2**24 exactly; a block of 1024 int8 x int8 products sums to at most
+# 1024 * 128 * 128 = 2**24 in magnitude, so each block's float32 matmul is exact whatever the summation order.
+EXACT_F32_BLOCK = 1024
 
 
 def _int_mm_available() -> bool:
@@ -41,7 +47,12 @@ def int8_matmul(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, w.shape[0], dtype=torch.int32, device=xq.device)
     if xq.device.type == "cpu" and _int_mm_available():
         return torch._int_mm(xq.contiguous(), w.t())
-    return (xq.to(torch.float64) @ w.t().to(torch.float64)).to(torch.int32)
+    K = xq.shape[1]
+    acc = torch.zeros(xq.shape[0], w.shape[0], dtype=torch.int32, device=xq.device)
+    for a in range(0, K, EXACT_F32_BLOCK):
+        b = min(a + EXACT_F32_BLOCK, K)
+        acc += (xq[:, a:b].to(torch.float32) @ w[:, a:b].t().to(torch.float32)).to(torch.int32)
+    return acc
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
