@@ -50,9 +50,7 @@ def _write_fake_platform(root: Path, *, registers_models: bool, modelslim: bool)
         if registers_models
         else '    ModelRegistry.register_model("SomethingElseForCausalLM", "fake_npu.models.fake:FakeModel")\n'
     )
-    (pkg / "models" / "__init__.py").write_text(
-        f"from vllm import ModelRegistry\n\n\ndef register_model():\n{body}"
-    )
+    (pkg / "models" / "__init__.py").write_text(f"from vllm import ModelRegistry\n\n\ndef register_model():\n{body}")
     (pkg / "models" / "fake.py").write_text("class FakeModel:\n    pass\n")
     (pkg / "quantization" / "__init__.py").write_text("")
     if modelslim:

@@ -94,7 +94,9 @@ def decide(
     if choice in ("on", ADAPTER, "force"):
         d = Decision(arch, ADAPTER, adapter_target, f"{env}={raw} forces the adapter")
     elif choice in ("off", NATIVE):
-        d = Decision(arch, NATIVE, _registered_target(arch, exclude_ours=True), f"{env}={raw} leaves it to the platform")
+        d = Decision(
+            arch, NATIVE, _registered_target(arch, exclude_ours=True), f"{env}={raw} leaves it to the platform"
+        )
     elif legacy_force_adapter and _legacy_on(legacy_force_adapter):
         d = Decision(arch, ADAPTER, adapter_target, f"{legacy_force_adapter} is set (older switch; use {env}=adapter)")
     else:
@@ -184,7 +186,9 @@ def platform_registers(arch: str, platform=None) -> tuple[str, str] | None:
 def _plugin_hooks(pkg: str) -> list[str]:
     import importlib.metadata as md
 
-    return [ep.name for ep in md.entry_points(group="vllm.general_plugins") if ep.value.split(":")[0].split(".")[0] == pkg]
+    return [
+        ep.name for ep in md.entry_points(group="vllm.general_plugins") if ep.value.split(":")[0].split(".")[0] == pkg
+    ]
 
 
 def _vllm_plugins_filter() -> set[str] | None:

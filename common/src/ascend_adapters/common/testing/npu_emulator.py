@@ -37,6 +37,20 @@ class NpuContractError(ValueError):
     """A call that torch_npu's documentation does not allow."""
 
 
+TRACE_ENV = "ASCEND_ADAPTERS_EMULATOR_TRACE_DIR"
+_SEEN: set[str] = set()
+
+
+def _trace(op: str) -> None:
+    """Under ``ASCEND_ADAPTERS_EMULATOR_TRACE_DIR``, note once per process that ``op`` ran (served tests)."""
+    import os
+
+    folder = os.environ.get(TRACE_ENV)
+    if folder and op not in _SEEN:
+        _SEEN.add(op)
+        Path(folder, f"{os.getpid()}-{op}").write_text("called\n")
+
+
 def _require(ok: bool, op: str, page: str, section: str, message: str) -> None:
     if not ok:
         raise NpuContractError(f"{op}: {message} [{_DOCS}{page} {section}]")
@@ -53,8 +67,11 @@ _DQ = "torch_npu-npu_dynamic_quant.md"
 
 def npu_dynamic_quant(x, *, smooth_scales=None, group_index=None, dst_type=None):
     op = "npu_dynamic_quant"
+    _trace(op)
     # 参数说明 x: "数据类型支持float16、bfloat16" ... "输入x的维度必须大于1"
-    _require(x.dtype in (torch.float16, torch.bfloat16), op, _DQ, "参数说明 x", f"x dtype {x.dtype} (float16/bfloat16 only)")
+    _require(
+        x.dtype in (torch.float16, torch.bfloat16), op, _DQ, "参数说明 x", f"x dtype {x.dtype} (float16/bfloat16 only)"
+    )
     _require(x.dim() > 1, op, _DQ, "参数说明 x", f"x must have more than 1 dimension, got {tuple(x.shape)}")
     # 参数说明 dst_type: None is int8; quint4x2 is not used by this project and not emulated
     _require(dst_type in (None, torch.int8), op, _DQ, "参数说明 dst_type", f"dst_type {dst_type} not emulated (int8)")
@@ -76,6 +93,7 @@ _Q = "torch_npu-npu_quantize.md"
 
 def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
     op = "npu_quantize"
+    _trace(op)
     floats = (torch.float32, torch.float16, torch.bfloat16)
     # 参数说明 input (A2/A3): float, float16, bfloat16
     _require(input.dtype in floats, op, _Q, "参数说明 input", f"input dtype {input.dtype}")
@@ -89,7 +107,9 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
             _require(ok, op, _Q, "参数说明 zero_points", f"{zero_points.dtype}")
     else:
         # 参数说明 scales (div_mode False): "数据类型、数据格式需要和input的数据类型和数据格式一致"
-        _require(scales.dtype == input.dtype, op, _Q, "参数说明 scales", f"scales {scales.dtype} != input {input.dtype}")
+        _require(
+            scales.dtype == input.dtype, op, _Q, "参数说明 scales", f"scales {scales.dtype} != input {input.dtype}"
+        )
         if zero_points is not None:
             # 参数说明 zero_points (div_mode False): "shape和dtype需要和scales一致"
             same = zero_points.dtype == scales.dtype and zero_points.shape == scales.shape
@@ -100,7 +120,9 @@ def npu_quantize(input, scales, zero_points, dtype, axis=1, div_mode=True):
         if scales.dim() == 1:
             # 参数说明 scales: 1-D size equal to input's axis dimension or 1
             ok = scales.numel() in (1, input.shape[ax])
-            _require(ok, op, _Q, "参数说明 scales", f"1-D scales of size {scales.numel()} for axis size {input.shape[ax]}")
+            _require(
+                ok, op, _Q, "参数说明 scales", f"1-D scales of size {scales.numel()} for axis size {input.shape[ax]}"
+            )
     # 功能说明: result = input / scales + zero_points (div_mode True) or input * scales + zero_points
     xf = input.float()
     s = scales.float()
@@ -118,7 +140,13 @@ _QMM_INNER_LIMIT = 65535
 _QMM_TABLE = (
     ({torch.int64, torch.float32}, False, {torch.int32, None}, "none", torch.float16),
     ({torch.int64, torch.float32}, True, {torch.int32, None}, "none", torch.int8),
-    ({torch.float32, torch.bfloat16}, False, {torch.int32, torch.bfloat16, torch.float32, None}, "optional", torch.bfloat16),
+    (
+        {torch.float32, torch.bfloat16},
+        False,
+        {torch.int32, torch.bfloat16, torch.float32, None},
+        "optional",
+        torch.bfloat16,
+    ),
     ({torch.float32}, False, {torch.int32, torch.bfloat16, torch.float32, None}, "required", torch.float16),
     ({torch.float32, torch.bfloat16}, False, {torch.int32, None}, "none", torch.int32),
 )
@@ -133,8 +161,11 @@ def npu_quant_matmul(
     x1, x2, scale, *, offset=None, pertoken_scale=None, bias=None, output_dtype=None, group_sizes=None
 ):
     op = "npu_quant_matmul"
+    _trace(op)
     # 约束说明: "传入的x1、x2、scale不能是空"
-    _require(x1 is not None and x2 is not None and scale is not None, op, _QMM, "约束说明", "x1, x2, scale are required")
+    _require(
+        x1 is not None and x2 is not None and scale is not None, op, _QMM, "约束说明", "x1, x2, scale are required"
+    )
     # 参数说明 x1/x2 (A2/A3): int8 (int32 = packed int4, not emulated); x2 "与x1的数据类型须保持一致"
     _require(x1.dtype == torch.int8 and x2.dtype == torch.int8, op, _QMM, "参数说明 x1/x2", f"{x1.dtype}, {x2.dtype}")
     # 参数说明 x1/x2: "shape需要在2-6维范围"
@@ -160,7 +191,9 @@ def npu_quant_matmul(
         _require(ok, op, _QMM, "参数说明 bias", f"shape {tuple(bias.shape)} for n = {n}")
     # 参数说明 output_dtype: None means int8; A2/A3 allow int8, float16, bfloat16, int32 (no float32)
     out = torch.int8 if output_dtype is None else output_dtype
-    _require(out in (torch.int8, torch.float16, torch.bfloat16, torch.int32), op, _QMM, "参数说明 output_dtype", f"{out}")
+    _require(
+        out in (torch.int8, torch.float16, torch.bfloat16, torch.int32), op, _QMM, "参数说明 output_dtype", f"{out}"
+    )
     row_ok = False
     for scales, offset_ok, biases, pts, row_out in _QMM_TABLE:  # 约束说明 表2
         if (
@@ -234,6 +267,7 @@ def npu_grouped_matmul(
     tuning_config=None,
 ):
     op = "npu_grouped_matmul"
+    _trace(op)
     # Only the form this project uses is emulated: single x [M, K] int8, single weight [E, K, N] int8,
     # single output (约束说明 场景 "单单单": group_type 0, split_item 2 or 3, weight 3-D, x/y 2-D).
     _require(isinstance(x, (list, tuple)) and isinstance(weight, (list, tuple)), op, _GMM, "参数说明 x/weight", "lists")
@@ -252,8 +286,12 @@ def npu_grouped_matmul(
     xt, wt = x[0], weight[0]
     # 约束说明 单单单: "仅支持split_item为2或3"; "weight中tensor需为3维，x、y中tensor需为2维"
     _require(split_item in (2, 3), op, _GMM, "约束说明 单单单", f"split_item {split_item} (2 or 3)")
-    _require(xt.dim() == 2 and wt.dim() == 3, op, _GMM, "约束说明 单单单", f"x {tuple(xt.shape)}, weight {tuple(wt.shape)}")
-    _require(xt.dtype == torch.int8 and wt.dtype == torch.int8, op, _GMM, "参数说明 x/weight", "int8 x int8 only emulated")
+    _require(
+        xt.dim() == 2 and wt.dim() == 3, op, _GMM, "约束说明 单单单", f"x {tuple(xt.shape)}, weight {tuple(wt.shape)}"
+    )
+    _require(
+        xt.dtype == torch.int8 and wt.dtype == torch.int8, op, _GMM, "参数说明 x/weight", "int8 x int8 only emulated"
+    )
     E, K, N = wt.shape
     _require(xt.shape[1] == K, op, _GMM, "功能说明", f"x [M, {xt.shape[1]}] against weight [E, K={K}, N]")
     # 约束说明: "x和weight中每一组tensor的最后一维大小都应小于InnerLimit" (65536 on A2/A3)
@@ -261,7 +299,9 @@ def npu_grouped_matmul(
     # 参数说明 group_list: Tensor, 1-D, int64, one entry per group
     gl = group_list
     _require(isinstance(gl, torch.Tensor), op, _GMM, "参数说明 group_list", "must be a Tensor for int8 per-token")
-    _require(gl.dtype == torch.int64 and gl.dim() == 1, op, _GMM, "参数说明 group_list", f"{gl.dtype} {tuple(gl.shape)}")
+    _require(
+        gl.dtype == torch.int64 and gl.dim() == 1, op, _GMM, "参数说明 group_list", f"{gl.dtype} {tuple(gl.shape)}"
+    )
     _require(gl.numel() == E, op, _GMM, "参数说明 group_list", f"{gl.numel()} entries for {E} groups")
     # 约束说明 单单单: "group_list第1维最大支持1024"
     _require(gl.numel() <= 1024, op, _GMM, "约束说明 单单单", "more than 1024 groups")
@@ -298,7 +338,13 @@ def npu_grouped_matmul(
         _require(ok, op, _GMM, "约束说明 表2", "bias must be int32, one row per group")
     out = output_dtype
     row = (st.dtype, pts is not None, out)
-    _require(row in _GMM_TABLE, op, _GMM, "约束说明 表2", f"scale {st.dtype}, per_token_scale {pts is not None}, output {out}")
+    _require(
+        row in _GMM_TABLE,
+        op,
+        _GMM,
+        "约束说明 表2",
+        f"scale {st.dtype}, per_token_scale {pts is not None}, output {out}",
+    )
     # 功能说明 公式3-1: y_i = (x_i @ weight_i + bias_i) * scale_i * pertokenscale_i
     y = torch.empty(M, N, dtype=torch.float64)
     start = 0
@@ -323,8 +369,11 @@ _SWIGLU = "（beta）torch_npu-npu_swiglu.md"
 
 def npu_swiglu(input, dim=-1):
     op = "npu_swiglu"
+    _trace(op)
     # 参数说明 input: float32, float16, bfloat16; 1-8 dims; even along dim; no empty tensor
-    _require(input.dtype in (torch.float32, torch.float16, torch.bfloat16), op, _SWIGLU, "参数说明 input", f"{input.dtype}")
+    _require(
+        input.dtype in (torch.float32, torch.float16, torch.bfloat16), op, _SWIGLU, "参数说明 input", f"{input.dtype}"
+    )
     _require(1 <= input.dim() <= 8, op, _SWIGLU, "参数说明 input", f"rank {input.dim()}")
     _require(input.numel() > 0, op, _SWIGLU, "参数说明 input", "empty tensor")
     _require(input.shape[dim] % 2 == 0, op, _SWIGLU, "参数说明 input", f"dim {dim} of size {input.shape[dim]} is odd")
@@ -339,6 +388,7 @@ _ROPE = "torch_npu-npu_rotary_mul.md"
 
 def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
     op = "npu_rotary_mul"
+    _trace(op)
     floats = (torch.float32, torch.float16, torch.bfloat16)
     # 参数说明 input/r1/r2: 3-D or 4-D, float16/bfloat16/float32
     for name, t in (("input", input), ("r1", r1), ("r2", r2)):
@@ -357,7 +407,13 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
         a, b, c, _ = input.shape
         shapes = {(1, 1, c, d): a * b, (1, b, 1, d): a * c, (a, 1, 1, d): b * c}
         ok = tuple(r1.shape) in shapes and tuple(r2.shape) == tuple(r1.shape)
-        _require(ok, op, _ROPE, "约束说明 interleave", f"r1 {tuple(r1.shape)} is not a layout allowed for {tuple(input.shape)}")
+        _require(
+            ok,
+            op,
+            _ROPE,
+            "约束说明 interleave",
+            f"r1 {tuple(r1.shape)} is not a layout allowed for {tuple(input.shape)}",
+        )
         _require(shapes[tuple(r1.shape)] < 1000, op, _ROPE, "约束说明 interleave", "B*N must be < 1000")
     # 功能说明: output = x * cos + rotate(x) * sin; output shape and dtype as input
     x = input.float()

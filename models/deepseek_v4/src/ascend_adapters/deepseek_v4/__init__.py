@@ -37,7 +37,10 @@ def register() -> None:
     from ascend_adapters.common.registry import ADAPTER, decide, register_architectures
 
     d = decide(
-        ARCH, ARCHITECTURES[ARCH], ENABLE_ENV, in_tree_native=_in_tree_native,
+        ARCH,
+        ARCHITECTURES[ARCH],
+        ENABLE_ENV,
+        in_tree_native=_in_tree_native,
         legacy_force_adapter="ASCEND_ADAPTERS_FORCE_PORTABLE",
     )
     if d.serves != ADAPTER:
