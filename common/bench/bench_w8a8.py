@@ -9,7 +9,7 @@ For each (K, N, tokens) it times, with the same threads and inputs:
   * ``w8a8_torch``: the same op on the torch integer path (``torch._int_mm``), the exact reference;
   * ``int8_mm``: the torch integer matmul alone;
   * ``fp32`` / ``bf16``: ``torch.nn.functional.linear`` with float32 / bfloat16 weights.
-Ratios > 1 mean the W8A8 path is faster. Resident weight bytes: int8 weight + float32 per-channel
+Times are the best of several repetitions. Ratios > 1 mean the W8A8 path is faster. Resident weight bytes: int8 weight + float32 per-channel
 scale vs the bfloat16 weight. Target of the issue: >= 1.5x vs bf16 at 128+ tokens on every shape.
 With ``--evidence-dir`` the result is also written as an evidence record (gate ``bench-w8a8``).
 """
@@ -41,6 +41,8 @@ def _cpu_flags() -> list[str]:
 
 
 def _time(fn, min_reps: int, budget_s: float) -> float:
+    """Best of the repetitions: on a shared machine other jobs only ever add time, so the minimum is the
+    least-disturbed estimate of each peer's own cost (the same estimator for every column)."""
     fn()  # warm-up (packing, allocator)
     times = []
     t_end = time.perf_counter() + budget_s
@@ -48,7 +50,7 @@ def _time(fn, min_reps: int, budget_s: float) -> float:
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return min(times)
 
 
 def _torch_path(fn, *args):
