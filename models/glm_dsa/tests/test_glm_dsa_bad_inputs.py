@@ -173,16 +173,21 @@ def test_bad_inputs_refused_by_vllm(base_ckpt, tmp_path, evidence_root):
 
 def test_registration_switch(monkeypatch):
     from ascend_adapters import glm_dsa
+    from ascend_adapters.common.flags import FlagError
+    from ascend_adapters.common.registry import decide
+
+    def serves():
+        return decide("GlmMoeDsaForCausalLM", glm_dsa.ARCHITECTURES["GlmMoeDsaForCausalLM"], glm_dsa.ENABLE_ENV).serves
 
     monkeypatch.setenv(glm_dsa.ENABLE_ENV, "off")
-    assert not glm_dsa.enabled()
+    assert serves() == "native"
     monkeypatch.setenv(glm_dsa.ENABLE_ENV, "on")
-    assert glm_dsa.enabled()
+    assert serves() == "adapter"
     monkeypatch.setenv(glm_dsa.ENABLE_ENV, "auto")
-    assert glm_dsa.enabled()  # CPU has no native sparse-MLA path
+    assert serves() == "adapter"  # CPU has no native sparse-MLA path
     monkeypatch.setenv(glm_dsa.ENABLE_ENV, "sometimes")
-    with pytest.raises(ValueError, match=glm_dsa.ENABLE_ENV):
-        glm_dsa.enabled()
+    with pytest.raises(FlagError, match=glm_dsa.ENABLE_ENV):
+        serves()
 
 
 def test_startup_policy_wraps_vllms_hook(monkeypatch):

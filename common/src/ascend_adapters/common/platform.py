@@ -1,7 +1,17 @@
-"""Which device the kernels run on, decided once per process.
+"""Which kernel implementation serves a tensor: decided from the tensor's device.
 
-The NPU path is taken when torch_npu imports and reports at least one NPU.
-``ASCEND_ADAPTERS_FORCE_PORTABLE=1`` forces the portable torch path even then.
+An op's NPU implementation runs for tensors on an ``npu`` device; everything
+else (CPU, any other device) takes the portable torch implementation. Whether
+torch_npu happens to be importable does not matter: a CPU tensor in a process
+that also sees an NPU still takes the portable path.
+
+``ASCEND_ADAPTERS_FORCE_PORTABLE=1`` forces the portable path for NPU tensors too.
+
+Tests only: with the torch_npu contract emulator installed as ``torch_npu``
+(``ascend_adapters.common.testing.npu_emulator``), ``ASCEND_ADAPTERS_NPU_EMULATOR=1``
+sends CPU tensors down the NPU implementation, so the torch_npu calls are
+checked against their documented contracts on CPU. The variable is refused
+when ``torch_npu`` is the real package.
 """
 
 from __future__ import annotations
@@ -15,6 +25,7 @@ from ascend_adapters.common.flags import env_flag
 logger = logging.getLogger("ascend_adapters")
 
 FORCE_PORTABLE_ENV = "ASCEND_ADAPTERS_FORCE_PORTABLE"
+EMULATOR_ENV = "ASCEND_ADAPTERS_NPU_EMULATOR"
 
 
 class KernelPath(str, enum.Enum):
@@ -29,6 +40,8 @@ def npu_available() -> tuple[bool, str]:
         import torch_npu  # noqa: F401
     except Exception as exc:  # torch_npu missing, or present without CANN
         return False, f"torch_npu not importable ({type(exc).__name__}: {exc})"
+    if getattr(torch_npu, "IS_CONTRACT_EMULATOR", False):
+        return False, "torch_npu is the CPU contract emulator (tests), not an NPU"
     try:
         count = torch.npu.device_count()
     except Exception as exc:
@@ -39,12 +52,45 @@ def npu_available() -> tuple[bool, str]:
 
 
 @functools.lru_cache(maxsize=1)
+def emulating() -> bool:
+    """True when CPU tensors take the NPU implementations through the contract emulator (tests only)."""
+    if not env_flag(EMULATOR_ENV):
+        return False
+    try:
+        import torch_npu
+    except ImportError as exc:
+        raise RuntimeError(f"{EMULATOR_ENV} is set but no torch_npu emulator is installed ({exc})") from None
+    if not getattr(torch_npu, "IS_CONTRACT_EMULATOR", False):
+        raise RuntimeError(f"{EMULATOR_ENV} is set but torch_npu is the real package: unset it")
+    logger.warning("ascend_adapters: NPU kernels run on CPU through the torch_npu CONTRACT EMULATOR (not an NPU)")
+    return True
+
+
+@functools.lru_cache(maxsize=8)
+def path_for_device(device_type: str) -> KernelPath:
+    """The implementation for tensors on ``device_type`` (``"npu"``, ``"cpu"``, ...)."""
+    if env_flag(FORCE_PORTABLE_ENV):
+        return KernelPath.PORTABLE
+    if device_type == "npu" or (device_type == "cpu" and emulating()):
+        return KernelPath.NPU
+    return KernelPath.PORTABLE
+
+
+def reset() -> None:
+    """Forget cached decisions (tests that change the environment)."""
+    emulating.cache_clear()
+    path_for_device.cache_clear()
+    kernel_path.cache_clear()
+
+
+@functools.lru_cache(maxsize=1)
 def kernel_path() -> KernelPath:
-    """The kernel path for this process; logged once."""
+    """For ``status``: the path this process's model tensors would take; logged once."""
     if env_flag(FORCE_PORTABLE_ENV):
         path, why = KernelPath.PORTABLE, f"{FORCE_PORTABLE_ENV} is set"
     else:
         ok, why = npu_available()
         path = KernelPath.NPU if ok else KernelPath.PORTABLE
+        why = f"{why}; chosen per tensor device"
     logger.info("ascend_adapters kernel path: %s (%s)", path.value, why)
     return path

@@ -87,7 +87,7 @@ def cmd_render(args) -> int:
 def cmd_status(args) -> int:
     from ascend_adapters.common.admission.render import format_status, status
 
-    st = status()
+    st = status(getattr(args, "model", None))
     print(json.dumps(st, indent=2) if args.json else format_status(st))
     return 0
 
@@ -142,6 +142,7 @@ def add_parsers(subparsers) -> None:
         "status", help="installed versions, vllm.general_plugins entry points, kernel dispatch path"
     )
     p.add_argument("--json", action="store_true")
+    p.add_argument("--model", metavar="DIR", help="also say which quantization method will serve this export, and why")
     p.set_defaults(func=cmd_status)
 
 

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import collections
+import json
 import os
+from pathlib import Path
 
 from ascend_adapters.common.admission.checks import inspect_dir
 from ascend_adapters.common.admission.description import summarize
@@ -79,8 +81,10 @@ def format_summary(s: dict, report: Report) -> str:
     return "\n".join(lines)
 
 
-def status() -> dict:
-    """Installed versions, ``vllm.general_plugins`` entry points, kernel path, admission settings."""
+def status(model_dir: str | None = None) -> dict:
+    """Installed versions, ``vllm.general_plugins`` entry points, kernel path, admission settings,
+    which class serves each adapter architecture (native first) and, for ``model_dir``, which
+    quantization method will serve it."""
     import importlib.metadata as md
 
     from ascend_adapters.common.admission import hook
@@ -105,7 +109,27 @@ def status() -> dict:
     from ascend_adapters.common.compat import engine_status
 
     engine = engine_distribution()
+    try:
+        from ascend_adapters.common.registry import serving_report
+
+        serving = serving_report()
+    except Exception as exc:  # status must always answer
+        serving = [{"arch": None, "serves": "unknown", "target": None, "why": f"{type(exc).__name__}: {exc}"}]
+    quant = None
+    if model_dir is not None:
+        from ascend_adapters.common.quant.detect import quant_decision
+
+        try:
+            config = json.loads((Path(model_dir) / "config.json").read_text())
+        except (OSError, ValueError) as exc:
+            config = {}
+            quant = {"model_dir": model_dir, "method": None, "why": f"config.json unreadable ({exc})"}
+        if quant is None:
+            method, why = quant_decision(model_dir, config)
+            quant = {"model_dir": model_dir, "method": method, "why": why}
     return {
+        "serving": serving,
+        "quantization": quant,
         "versions": installed_details(),
         "engine_distribution": engine[0] if engine else None,
         "engine": engine_status(),
@@ -138,6 +162,12 @@ def format_status(st: dict) -> str:
     if not st["general_plugins"]:
         lines.append("  (none)")
     lines.append(f"kernel dispatch path: {st['kernel_path']}")
+    lines.append("architectures (native first):")
+    for r in st.get("serving") or []:
+        lines.append(f"  {r['arch']}: {r['serves']} {r['target'] or ''} ({r['why']})")
+    q = st.get("quantization")
+    if q:
+        lines.append(f"quantization of {q['model_dir']}: {q['method'] or 'none from this project'} ({q['why']})")
     adm = st["admission"]
     enabled = adm["ASCEND_ADAPTERS_MANIFEST"]
     lines.append(f"serve-time admission: {'enabled, manifest ' + enabled if enabled else 'disabled'}")

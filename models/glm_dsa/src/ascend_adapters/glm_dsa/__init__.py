@@ -3,15 +3,15 @@
 vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration, no model import.
 
-``ASCEND_ADAPTERS_GLM_DSA`` decides whether this adapter's class serves
-``GlmMoeDsaForCausalLM``: ``auto`` (default) on platforms without vLLM's native
-sparse-MLA path (Ascend NPU, CPU; i.e. not CUDA/ROCm), ``on`` everywhere,
-``off`` never (vLLM's own class). See ``config.py`` for the attention-path switch.
+Native first (``ascend_adapters.common.registry.decide``): where the platform
+already serves ``GlmMoeDsaForCausalLM`` (vllm-ascend registers its own class;
+CUDA/ROCm have vLLM's sparse-MLA kernels) the adapter stays out, whatever the
+plugin order. ``ASCEND_ADAPTERS_GLM_DSA``: ``auto`` (default), ``adapter`` (or
+``on``) forces this class, ``native`` (or ``off``) the platform's. See
+``config.py`` for the attention-path switch.
 """
 
 from __future__ import annotations
-
-import os
 
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
@@ -21,26 +21,18 @@ ARCHITECTURES: dict[str, str] = {
 ENABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA"
 
 
-def enabled() -> bool:
-    raw = os.environ.get(ENABLE_ENV, "auto").strip().lower()
-    if raw in {"0", "off", "false", "no"}:
-        return False
-    if raw in {"1", "on", "true", "yes", "force"}:
-        return True
-    if raw not in {"", "auto"}:
-        raise ValueError(f"{ENABLE_ENV}={raw!r}: expected auto, on or off")
-    from vllm.platforms import current_platform
-
+def _cuda_alike(platform) -> bool:
     # CUDA/ROCm builds of vLLM have native sparse-MLA kernels for this architecture
-    return not current_platform.is_cuda_alike()
+    return platform.is_cuda_alike()
 
 
 def register() -> None:
-    if not enabled():
+    from ascend_adapters.common.registry import ADAPTER, register_native_first
+
+    decisions = register_native_first(ARCHITECTURES, ENABLE_ENV, in_tree_native=_cuda_alike)
+    if decisions[0].serves != ADAPTER:
         return
-    from ascend_adapters.common.registry import register_architectures
     from ascend_adapters.glm_dsa import arch, policy
 
-    register_architectures(ARCHITECTURES)
     arch.install()
     policy.install()

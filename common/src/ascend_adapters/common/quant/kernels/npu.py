@@ -1,13 +1,24 @@
 """torch_npu implementation of the ModelSlim W8A8 kernels.
 
-Thin calls to the Ascend operators vllm-ascend uses for the same formats:
+Calls to the Ascend operators vllm-ascend uses for the same formats:
 ``npu_dynamic_quant`` / ``npu_quantize``, ``npu_quant_matmul``,
 ``npu_grouped_matmul`` and ``npu_swiglu``. Weights are pre-transposed to
 ``[K, N]`` (``[E, K, N]`` for experts) once after loading by ``pack_weight``.
 
-NOT TESTED: no NPU was available while this was written. The portable
-implementation (kernels/portable.py) is the tested reference for the math;
-``ASCEND_ADAPTERS_FORCE_PORTABLE=1`` selects it on an NPU machine too.
+Each call keeps to the operator's documented contract (Ascend op-plugin,
+docs/zh/custom_APIs/torch_npu/*.md); the contracts are checked on CPU by the
+emulator in ``ascend_adapters.common.testing.npu_emulator``, which also runs
+these functions against the portable kernels. NOTHING HERE HAS RUN ON AN NPU.
+
+* float16 / bfloat16 activations use the fused operators.
+* float32 activations: ``npu_dynamic_quant`` takes float16/bfloat16 only and
+  ``npu_quant_matmul`` has no float32 output, so the linears quantize with
+  plain torch ops (the portable equations) and take the exact int32
+  accumulator from ``npu_quant_matmul(output_dtype=int32)``, scaling in
+  float32 themselves; the MoE runs in bfloat16 and casts back (its
+  ``npu_grouped_matmul`` has no int32 per-token form).
+* ``npu_quant_matmul`` caps the last dimension of its inputs at 65535: wider
+  outputs are computed in column blocks, longer reductions in int32 blocks.
 """
 
 from __future__ import annotations
@@ -16,10 +27,35 @@ import torch
 
 from ascend_adapters.common import dispatch
 
+# npu_quant_matmul.md 约束说明: "x1与x2最后一维的shape大小不能超过65535"
+QMM_MAX_LAST_DIM = 65535
+
 
 @dispatch.npu("modelslim.pack_weight")
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(-1, -2).contiguous()
+
+
+def _blocks(n: int, size: int = QMM_MAX_LAST_DIM) -> list[slice]:
+    return [slice(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _int32_matmul(xq: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
+    """Exact ``xq [M, K] @ w [K, N]`` as int32, in blocks of at most 65535 along K and N."""
+    import torch_npu
+
+    M, K = xq.shape
+    N = w_kn.shape[-1]
+    acc = torch.zeros(M, N, dtype=torch.int32, device=xq.device)
+    for kb in _blocks(K):
+        for nb in _blocks(N):
+            # Table 2 row "int8 int8 float32/bfloat16 None int32/None None int32": a unit scale, so the
+            # result is the accumulator whether or not the operator applies the scale to an int32 output.
+            ones = torch.ones(nb.stop - nb.start, dtype=torch.float32, device=xq.device)
+            acc[:, nb] += torch_npu.npu_quant_matmul(
+                xq[:, kb].contiguous(), w_kn[kb, nb].contiguous(), ones, output_dtype=torch.int32
+            )
+    return acc
 
 
 @dispatch.npu("modelslim.w8a8_dynamic_linear")
@@ -29,13 +65,31 @@ def w8a8_dynamic_linear(
     import torch_npu
 
     shape = x.shape
-    xq, s = torch_npu.npu_dynamic_quant(x.reshape(-1, shape[-1]))
-    y = torch_npu.npu_quant_matmul(
-        xq, weight, weight_scale.reshape(-1), pertoken_scale=s.reshape(-1), bias=None, output_dtype=x.dtype
-    )
+    K, N = weight.shape
+    x2 = x.reshape(-1, shape[-1])
+    scale = weight_scale.reshape(-1).float()
+    if x.dtype == torch.float32 or K > QMM_MAX_LAST_DIM:
+        from ascend_adapters.common.quant.kernels.portable import quantize_per_token
+
+        xq, s = quantize_per_token(x2)
+        y = _int32_matmul(xq, weight).to(torch.float32) * (s * scale.reshape(1, -1))
+        y = y.to(x.dtype)
+    else:
+        # npu_dynamic_quant: x float16/bfloat16 -> int8 and float32 scale of shape x.shape[:-1]
+        xq, s = torch_npu.npu_dynamic_quant(x2)
+        # npu_quant_matmul Table 2: scale float32 + pertoken float32 -> float16 or bfloat16 output
+        y = torch.cat(
+            [
+                torch_npu.npu_quant_matmul(
+                    xq, weight[:, nb], scale[nb], pertoken_scale=s.reshape(-1), output_dtype=x.dtype
+                )
+                for nb in _blocks(N)
+            ],
+            dim=-1,
+        )
     if bias is not None:
         y = y + bias.to(y.dtype)
-    return y.reshape(*shape[:-1], weight.shape[-1])
+    return y.reshape(*shape[:-1], N)
 
 
 @dispatch.npu("modelslim.w8a8_static_linear")
@@ -50,16 +104,32 @@ def w8a8_static_linear(
     import torch_npu
 
     shape = x.shape
+    K, N = weight.shape
     x2 = x.reshape(-1, shape[-1])
+    # npu_quantize (div_mode False): scales and zero_points in the input's dtype
     inv = (1.0 / input_scale.float()).to(x.dtype).reshape(1)
     off = input_offset.to(x.dtype).reshape(1)
     xq = torch_npu.npu_quantize(x2, inv, off, torch.qint8, -1, False)
-    if x.dtype == torch.bfloat16:
-        deq = deq_scale.float()
-    else:  # float16 output takes the float32 bit pattern as int64 (as in the checkpoint)
-        deq = deq_scale.float().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    y = torch_npu.npu_quant_matmul(xq, weight, deq, bias=quant_bias, output_dtype=x.dtype)
-    return y.reshape(*shape[:-1], weight.shape[-1])
+    deq = deq_scale.reshape(-1).float()
+    if x.dtype == torch.float32 or K > QMM_MAX_LAST_DIM:
+        acc = _int32_matmul(xq, weight)
+        if quant_bias is not None:
+            acc = acc + quant_bias.to(torch.int32).reshape(1, -1)
+        y = (acc.to(torch.float32) * deq.reshape(1, -1)).to(x.dtype)
+    else:
+        # npu_quant_matmul Table 2: scale float32, bias int32/None, no pertoken -> float16 (row 1) or
+        # bfloat16 (row 3). A float32 scale avoids the int64 encoding of npu_trans_quant_param.
+        qb = None if quant_bias is None else quant_bias.to(torch.int32).reshape(-1)
+        y = torch.cat(
+            [
+                torch_npu.npu_quant_matmul(
+                    xq, weight[:, nb], deq[nb], bias=None if qb is None else qb[nb], output_dtype=x.dtype
+                )
+                for nb in _blocks(N)
+            ],
+            dim=-1,
+        )
+    return y.reshape(*shape[:-1], N)
 
 
 @dispatch.npu("modelslim.w8a8_dynamic_moe")
@@ -76,6 +146,7 @@ def w8a8_dynamic_moe(
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
 ) -> torch.Tensor:
+    """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``."""
     import torch_npu
 
     from ascend_adapters.common.quant.kernels.portable import local_routes
@@ -84,6 +155,12 @@ def w8a8_dynamic_moe(
         raise ValueError(f"W8A8_DYNAMIC MoE on NPU: activation {activation!r} is not supported (silu)")
     T, H = x.shape
     E, k = w13.shape[0], topk_ids.shape[-1]
+    if w13.shape[1] != H or w2.shape[2] != H:
+        raise ValueError(f"W8A8_DYNAMIC MoE on NPU: packed w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} for H={H}")
+    # npu_grouped_matmul Table 2 (per-token): a bfloat16 scale gives bfloat16, a float32 scale float16;
+    # there is no float32 output, so float32 activations run in bfloat16 and are cast back.
+    cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
+    sdt = torch.bfloat16 if cdt == torch.bfloat16 else torch.float32
     local = local_routes(topk_ids.reshape(T, k), E, expert_map).reshape(-1)
     tok = torch.arange(T, device=x.device).repeat_interleave(k)
     wts = topk_weights.reshape(-1).float()
@@ -94,35 +171,30 @@ def w8a8_dynamic_moe(
         return out.to(x.dtype)
     order = torch.argsort(local, stable=True)
     local, tok, wts = local[order], tok[order], wts[order]
-    group_list = torch.bincount(local, minlength=E).to(torch.int64)
-    rows = x[tok]
+    # group_list_type 0 (cumulative counts): valid for any number of local experts; type 1 (counts)
+    # "may not have length 1" (npu_grouped_matmul.md 参数说明 group_list), i.e. one local expert.
+    group_list = torch.cumsum(torch.bincount(local, minlength=E), 0).to(torch.int64)
+    rows = x[tok].to(cdt)
     if apply_router_weight_on_input:
-        rows = (rows.float() * wts[:, None]).to(x.dtype)
+        rows = (rows.float() * wts[:, None]).to(cdt)
+
+    def gmm(a, a_scale, w, w_scale):
+        return torch_npu.npu_grouped_matmul(
+            x=[a],
+            weight=[w],
+            scale=[w_scale.to(sdt)],
+            per_token_scale=[a_scale],
+            split_item=2,
+            group_list_type=0,
+            group_type=0,
+            group_list=group_list,
+            output_dtype=cdt,
+        )[0]
+
     xq, s = torch_npu.npu_dynamic_quant(rows)
-    h = torch_npu.npu_grouped_matmul(
-        x=[xq],
-        weight=[w13],
-        scale=[w13_scale.float()],
-        per_token_scale=[s],
-        split_item=2,
-        group_list_type=1,
-        group_type=0,
-        group_list=group_list,
-        output_dtype=x.dtype,
-    )[0]
-    h = torch_npu.npu_swiglu(h)
+    h = torch_npu.npu_swiglu(gmm(xq, s, w13, w13_scale))
     hq, hs = torch_npu.npu_dynamic_quant(h)
-    o = torch_npu.npu_grouped_matmul(
-        x=[hq],
-        weight=[w2],
-        scale=[w2_scale.float()],
-        per_token_scale=[hs],
-        split_item=2,
-        group_list_type=1,
-        group_type=0,
-        group_list=group_list,
-        output_dtype=x.dtype,
-    )[0].float()
+    o = gmm(hq, hs, w2, w2_scale).float()
     if not apply_router_weight_on_input:
         o = o * wts[:, None]
     out.index_add_(0, tok, o)

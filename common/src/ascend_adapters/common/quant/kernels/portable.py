@@ -1,8 +1,10 @@
 """Portable torch implementation of the ModelSlim W8A8 kernels (CPU, any device).
 
 The integer part is exact: int8 x int8 products are accumulated in int32
-(``torch._int_mm`` where the backend has it, an exact float64 matmul otherwise:
-|acc| <= K * 128 * 128 stays far below 2**53). Rounding is round-half-to-even
+(``torch._int_mm`` where the backend has it; otherwise float32 matmuls over
+blocks of at most 1024 along K, each exact because every partial sum is an
+integer of magnitude <= 1024 * 128 * 128 = 2**24, summed in int32). No float64:
+Ascend devices have none. Rounding is round-half-to-even
 (``torch.round``). The equations are those of REFERENCE §2:
 
     dynamic: s[t] = max|x[t]| / 127, xq = round(x / s), y = (xq @ W.T) * weight_scale[n] * s[t] (+ bias)
@@ -10,6 +12,13 @@ The integer part is exact: int8 x int8 products are accumulated in int32
              y  = (xq @ W.T + quant_bias) * deq_scale
 
 An all-zero activation row gives s = 0 and xq = 0, so y = bias (never NaN).
+
+On CPU, the dynamic linear takes its int8 GEMM from the engine where it has one (vLLM-CPU's oneDNN
+W8A8 kernel through ``compat.cpu_int8_gemm``, weight prepacked once per weight tensor): same int8
+activations (this module's quantizer), exact int32 accumulation inside oneDNN, the per-token and
+per-channel scales applied in float32, the bias added in float32 and one rounding to x.dtype: equal to
+the integer reference up to float32 rounding (test_quant_kernels.py checks it against the exact
+integer accumulator). The prepacked copy sits beside the checkpoint-layout weight (+1 byte per weight).
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
 """
 
@@ -20,6 +29,10 @@ import torch
 from ascend_adapters.common import dispatch
 
 _INT_MM_OK: bool | None = None
+
+# float32 represents every integer up to 2**24 exactly; a block of 1024 int8 x int8 products sums to at most
+# 1024 * 128 * 128 = 2**24 in magnitude, so each block's float32 matmul is exact whatever the summation order.
+EXACT_F32_BLOCK = 1024
 
 
 def _int_mm_available() -> bool:
@@ -41,7 +54,12 @@ def int8_matmul(xq: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         return torch.zeros(0, w.shape[0], dtype=torch.int32, device=xq.device)
     if xq.device.type == "cpu" and _int_mm_available():
         return torch._int_mm(xq.contiguous(), w.t())
-    return (xq.to(torch.float64) @ w.t().to(torch.float64)).to(torch.int32)
+    K = xq.shape[1]
+    acc = torch.zeros(xq.shape[0], w.shape[0], dtype=torch.int32, device=xq.device)
+    for a in range(0, K, EXACT_F32_BLOCK):
+        b = min(a + EXACT_F32_BLOCK, K)
+        acc += (xq[:, a:b].to(torch.float32) @ w[:, a:b].t().to(torch.float32)).to(torch.int32)
+    return acc
 
 
 def quantize_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,6 +83,35 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous()
 
 
+_ONEDNN_OK: bool | None = None  # None: ask compat once; tests set False to take the torch path
+
+
+def _onednn():
+    global _ONEDNN_OK
+    from ascend_adapters.common import compat
+
+    ops = compat.cpu_int8_gemm() if _ONEDNN_OK is not False else None
+    if _ONEDNN_OK is None:
+        _ONEDNN_OK = ops is not None
+    return ops
+
+
+def _onednn_handle(ops, weight: torch.Tensor, scale: torch.Tensor):
+    """The engine's prepacked form of ``weight [N, K]`` with ``scale [N]``, made once per weight tensor.
+
+    Only for a weight that owns its storage (a model parameter); views (an expert sliced out of a
+    stacked tensor per call) take the torch path rather than prepacking on every call.
+    """
+    if weight._base is not None or weight.requires_grad:
+        return None
+    cache = weight.__dict__.setdefault("_ascend_onednn", {})
+    key = (scale.data_ptr(), scale.numel())
+    handle = cache.get(key)
+    if handle is None:
+        handle = cache[key] = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False)
+    return handle
+
+
 @dispatch.portable("modelslim.w8a8_dynamic_linear")
 def w8a8_dynamic_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
@@ -73,6 +120,15 @@ def w8a8_dynamic_linear(
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, s = quantize_per_token(x2)
+    ops = _onednn() if x.device.type == "cpu" and x2.shape[0] > 0 else None
+    scale = weight_scale.reshape(-1).float()
+    handle = _onednn_handle(ops, weight, scale) if ops is not None and scale.is_contiguous() else None
+    if handle is not None:
+        y = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
+        ops.onednn_scaled_mm(handle, xq, y, s.contiguous(), None, None, None)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
     acc = int8_matmul(xq, weight)
     y = acc.to(torch.float32) * (s * weight_scale.reshape(1, -1).float())
     if bias is not None:

@@ -1,0 +1,322 @@
+"""The NPU kernel path on CPU, through the torch_npu CONTRACT EMULATOR (not an NPU run).
+
+``ascend_adapters.common.testing.npu_emulator`` refuses every call torch_npu's documentation does not
+allow and otherwise computes the documented formula. Here it stands in for ``torch_npu`` so that:
+
+* each contract rule the NPU path depends on is shown to fire (the emulator is not a pass-through);
+* every op registered with ``dispatch.npu`` runs against its portable twin in float16 and bfloat16;
+* the fixes of issue 12 hold: bfloat16 MoE scales, one local expert, float32 activations, outputs wider
+  than 65535, the path chosen from the tensor's device, and no float64 in the portable int8 matmul.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ascend_adapters.common import dispatch, platform  # noqa: E402
+from ascend_adapters.common.platform import KernelPath  # noqa: E402
+from ascend_adapters.common.quant.kernels import portable as pk  # noqa: E402
+from ascend_adapters.common.testing import npu_emulator as emu  # noqa: E402
+from ascend_adapters.common.testing.npu_emulator import NpuContractError  # noqa: E402
+
+# Unit roundoff u (half an ulp at 1.0) of each output dtype.
+U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    """torch_npu = the emulator, and CPU tensors take the NPU implementations."""
+    monkeypatch.setitem(sys.modules, "torch_npu", emu.as_module())
+    monkeypatch.setenv(platform.EMULATOR_ENV, "1")
+    monkeypatch.delenv(platform.FORCE_PORTABLE_ENV, raising=False)
+    platform.reset()
+    yield
+    platform.reset()
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def _int8(shape, g):
+    return torch.randint(-128, 128, shape, generator=g, dtype=torch.int8)
+
+
+def _npu(name):
+    return dispatch.op(name).resolve(KernelPath.NPU)
+
+
+def _port(name):
+    return dispatch.op(name).resolve(KernelPath.PORTABLE)
+
+
+# -- the emulator refuses what the documentation does not allow -------------------------------------
+def test_emulator_enforces_documented_contracts():
+    g = _g(0)
+    x32 = torch.randn(4, 8, generator=g)
+    with pytest.raises(NpuContractError, match="float16/bfloat16 only"):
+        emu.npu_dynamic_quant(x32)
+    with pytest.raises(NpuContractError, match="more than 1 dimension"):
+        emu.npu_dynamic_quant(torch.randn(8).half())
+    xq, w = _int8((2, 16), g), _int8((16, 8), g)
+    one = torch.ones(8)
+    with pytest.raises(NpuContractError, match="output_dtype"):
+        emu.npu_quant_matmul(xq, w, one, output_dtype=torch.float32)
+    with pytest.raises(NpuContractError, match="exceeds 65535"):
+        emu.npu_quant_matmul(xq, _int8((16, 65536), g), torch.ones(65536), output_dtype=torch.bfloat16)
+    with pytest.raises(NpuContractError, match="not in the table"):  # bf16 scale with fp16 output
+        emu.npu_quant_matmul(xq, w, one.bfloat16(), pertoken_scale=torch.ones(2), output_dtype=torch.float16)
+    assert emu.npu_quant_matmul(xq, w, one, pertoken_scale=torch.ones(2), output_dtype=torch.float16).dtype == (
+        torch.float16
+    )
+    gx, gw = _int8((5, 16), g), _int8((2, 16, 8), g)
+    kw = dict(per_token_scale=[torch.ones(5)], split_item=2, group_type=0, group_list=torch.tensor([2, 5]))
+    with pytest.raises(NpuContractError, match="scale torch.float32, per_token_scale True, output torch.bfloat16"):
+        emu.npu_grouped_matmul([gx], [gw], scale=[torch.ones(2, 8)], output_dtype=torch.bfloat16, **kw)
+    with pytest.raises(NpuContractError, match="scale torch.bfloat16, per_token_scale True, output torch.float16"):
+        emu.npu_grouped_matmul([gx], [gw], scale=[torch.ones(2, 8).bfloat16()], output_dtype=torch.float16, **kw)
+    ok = emu.npu_grouped_matmul([gx], [gw], scale=[torch.ones(2, 8).bfloat16()], output_dtype=torch.bfloat16, **kw)
+    assert ok[0].dtype == torch.bfloat16
+    one_expert = dict(kw, group_list=torch.tensor([5]), group_list_type=1)
+    with pytest.raises(NpuContractError, match="may not have length 1"):
+        emu.npu_grouped_matmul([gx], [gw[:1]], scale=[torch.ones(1, 8)], output_dtype=torch.float16, **one_expert)
+    with pytest.raises(NpuContractError, match="non-decreasing"):
+        emu.npu_grouped_matmul(
+            [gx],
+            [gw],
+            scale=[torch.ones(2, 8)],
+            output_dtype=torch.float16,
+            **dict(kw, group_list=torch.tensor([3, 2])),
+        )
+    with pytest.raises(NpuContractError, match="must match scales"):
+        emu.npu_quantize(x32, torch.ones(1), torch.ones(1).half(), torch.qint8, -1, False)
+
+
+def test_emulator_math_matches_the_documented_formulas():
+    g = _g(1)
+    x = (torch.randn(6, 32, generator=g) * 4).bfloat16()
+    y, s = emu.npu_dynamic_quant(x)
+    assert y.dtype == torch.int8 and s.dtype == torch.float32 and s.shape == (6,)
+    assert torch.equal(s, x.float().abs().amax(-1) / 127)
+    assert torch.equal(y, torch.round(x.float() / s[:, None]).to(torch.int8))
+    xq, w = _int8((3, 40), g), _int8((40, 7), g)
+    acc = emu.npu_quant_matmul(xq, w, torch.ones(7), output_dtype=torch.int32)
+    assert torch.equal(acc.long(), xq.long() @ w.long())
+    h = torch.randn(4, 10, generator=g)
+    a, b = h.chunk(2, -1)
+    torch.testing.assert_close(emu.npu_swiglu(h), torch.nn.functional.silu(a) * b)
+
+
+# -- every dispatch.npu op against its portable twin in float16 and bfloat16 -------------------------
+def _case_pack_weight(dtype, g):
+    w = _int8((3, 24, 40), g)
+    packed = _npu("modelslim.pack_weight")(w)
+    assert packed.shape == (3, 40, 24) and torch.equal(packed, w.transpose(-1, -2))
+    assert torch.equal(_port("modelslim.pack_weight")(w), w)
+
+
+def _dynamic_bound(ref, bias, dtype):
+    # Both sides quantize identically (float32 rowmax / 127, round half to even: the emulator's
+    # npu_dynamic_quant and portable.quantize_per_token compute the same float32 values), so the integer
+    # accumulators agree exactly. The portable side rounds acc * s * ws to float32 then once to dtype; the
+    # NPU side rounds once to dtype and adds the bias in dtype (a second rounding). Two roundings of
+    # relative size u plus float32 noise: |npu - portable| <= 2u (|y| + |bias|) + 4u |y| (the second
+    # rounding of a value already within u), plus the smallest subnormal for values near zero.
+    b = 0 if bias is None else bias.double().abs()
+    return 6 * U[dtype] * (ref.double().abs() + b) + 2.0**-24
+
+
+def _case_dynamic_linear(dtype, g, n=40, k=256, with_bias=True):
+    x = (torch.randn(2, 9, k, generator=g) * 3).to(dtype)
+    w = _int8((n, k), g)
+    ws = torch.rand(n, generator=g) * 0.01 + 1e-4
+    bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
+    y = _npu("modelslim.w8a8_dynamic_linear")(x, _npu("modelslim.pack_weight")(w), ws, bias)
+    ref = _port("modelslim.w8a8_dynamic_linear")(x, w, ws, bias)
+    assert y.dtype == dtype and y.shape == ref.shape
+    assert ((y.double() - ref.double()).abs() <= _dynamic_bound(ref, bias, dtype)).all()
+    return y, ref
+
+
+def _case_static_linear(dtype, g, n=24, k=192):
+    x = (torch.randn(11, k, generator=g) * 2).to(dtype)
+    w = _int8((n, k), g)
+    iscale, ioff = torch.tensor([0.02]), torch.tensor([3.0])
+    deq = torch.rand(n, generator=g) * 1e-4 + 1e-6
+    qb = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
+    y = _npu("modelslim.w8a8_static_linear")(x, _npu("modelslim.pack_weight")(w), iscale, ioff, deq, qb)
+    ref = _port("modelslim.w8a8_static_linear")(x, w, iscale, ioff, deq, qb)
+    # The NPU path multiplies by 1/input_scale rounded to x's dtype (npu_quantize takes scales in the
+    # input's dtype), the portable path divides in float32: individual int8 activations may differ by one
+    # step. Each differing step moves acc[t, n] by |w[n, k]|, so the exact bound on the accumulator is
+    # |dxq| @ |w|.T; after scaling, deq[n] times that, plus two roundings to dtype of relative size u.
+    xq_npu = emu.npu_quantize(x, (1 / iscale).to(dtype), ioff.to(dtype), torch.qint8, -1, False)
+    dxq = (xq_npu.long() - pk.quantize_per_tensor(x, iscale, ioff).long()).abs()
+    assert dxq.max() <= 1
+    bound = (dxq.double() @ w.double().abs().t()) * deq.double() + 4 * U[dtype] * ref.double().abs() + 2.0**-24
+    assert ((y.double() - ref.double()).abs() <= bound).all()
+    return y, ref
+
+
+def _moe_inputs(g, e, h, i, t, k):
+    w13, w2 = _int8((e, 2 * i, h), g), _int8((e, h, i), g)
+    s13 = torch.rand(e, 2 * i, generator=g) * 2e-3 + 1e-4
+    s2 = torch.rand(e, h, generator=g) * 2e-3 + 1e-4
+    ids = torch.randint(0, e, (t, k), generator=g)
+    topk_w = torch.rand(t, k, generator=g)
+    return w13, s13, w2, s2, topk_w, ids
+
+
+def _moe_bound(dtype):
+    # Normwise relative difference of two implementations of the same quantized MoE: each side's error
+    # against exact arithmetic is at most the int8 activation step of the intermediate (half of 1/127 of
+    # the row max, relative), the scale rounding (bfloat16 scales on the NPU path: u = 2**-8 for bf16;
+    # float32 for fp16) and the output rounding (u of dtype) twice (hidden and output); the difference
+    # of the two is at most the sum of both sides' errors.
+    scale_u = U[torch.bfloat16] if dtype in (torch.bfloat16, torch.float32) else U[torch.float32]
+    out_u = U[torch.bfloat16] if dtype == torch.float32 else U[dtype]
+    return 2 * (0.5 / 127 + scale_u + 2 * out_u)
+
+
+def _case_moe(dtype, g, e=4, h=64, i=32, t=13, k=2):
+    w13, s13, w2, s2, topk_w, ids = _moe_inputs(g, e, h, i, t, k)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    pack = _npu("modelslim.pack_weight")
+    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids)
+    ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids)
+    assert y.dtype == dtype and y.shape == (t, h)
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= _moe_bound(dtype), rel
+    return y, ref
+
+
+def _case_glm_rope(dtype, g):
+    from ascend_adapters.glm_dsa import kernels as glm  # noqa: F401  (registers glm_dsa.rope)
+
+    t, h, r = 5, 4, 64
+    x = torch.randn(t, h, r, generator=g).to(dtype)
+    ang = torch.rand(t, r // 2, generator=g) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    y = _npu("glm_dsa.rope")(x, cos, sin)
+    ref = _port("glm_dsa.rope")(x, cos, sin)
+    # The NPU form rounds cos/sin to x's dtype (relative u each) before x*cos + rot(x)*sin; each output
+    # pair element is x_a cos - x_b sin, so the difference is at most u (|x_a| + |x_b|) + 2u |y|.
+    xa, xb = x.double()[..., 0::2], x.double()[..., 1::2]
+    pair = (xa.abs() + xb.abs()).repeat_interleave(2, -1)
+    assert ((y.double() - ref.double()).abs() <= U[dtype] * pair + 2 * U[dtype] * ref.double().abs() + 1e-6).all()
+
+
+TWINS = {
+    "modelslim.pack_weight": _case_pack_weight,
+    "modelslim.w8a8_dynamic_linear": _case_dynamic_linear,
+    "modelslim.w8a8_static_linear": _case_static_linear,
+    "modelslim.w8a8_dynamic_moe": _case_moe,
+    "glm_dsa.rope": _case_glm_rope,
+}
+
+
+def _all_npu_ops():
+    # Import every module that registers kernels on this branch, so a new dispatch.npu op is seen here.
+    import ascend_adapters.common.quant.kernels  # noqa: F401
+
+    for mod in ("ascend_adapters.glm_dsa.kernels", "ascend_adapters.deepseek_v4.kernels", "ascend_adapters.rwkv7.wkv"):
+        __import__(mod)
+    return sorted(n for n, impl in dispatch.registered_ops().items() if impl["npu"] and not n.startswith("test."))
+
+
+def test_every_npu_op_has_a_twin_test():
+    missing = set(_all_npu_ops()) - set(TWINS)
+    assert not missing, f"dispatch.npu ops without an emulated twin test: {sorted(missing)}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
+@pytest.mark.parametrize("name", sorted(TWINS))
+def test_npu_op_matches_portable_twin(name, dtype, emulated):
+    TWINS[name](dtype, _g(hash(name) % 1000))
+
+
+# -- the fixes of issue 12 ---------------------------------------------------------------------------
+def test_moe_single_local_expert(emulated):
+    """group_list_type=1 with one expert is documented invalid: the NPU path must not use it then."""
+    _case_moe(torch.bfloat16, _g(11), e=1, k=1)
+
+
+def test_float32_activations_take_a_documented_route(emulated):
+    g = _g(12)
+    # Linears: exact int32 accumulators from npu_quant_matmul, scaled in float32 -> equal to portable up
+    # to float32 rounding of the same products (the dynamic case asserts its bound inside, with u32).
+    _case_dynamic_linear(torch.float32, g)
+    y, ref = _case_static_linear(torch.float32, g)
+    torch.testing.assert_close(y, ref, rtol=4 * U[torch.float32], atol=2.0**-24)
+    _case_moe(torch.float32, g)
+
+
+def test_output_wider_than_65535_is_split(emulated):
+    # DeepSeek-V4's q_b_proj is 128 heads x 512 = 65536 wide: past npu_quant_matmul's 65535 cap.
+    g = _g(13)
+    for dtype in (torch.bfloat16, torch.float16):
+        _case_dynamic_linear(dtype, g, n=65536 + 7, k=16, with_bias=False)
+        _case_static_linear(dtype, g, n=65536 + 7, k=16)
+
+
+def test_kernel_path_follows_the_tensor_device(monkeypatch):
+    """A CPU tensor takes the portable path even where torch_npu imports and reports an NPU."""
+    monkeypatch.setitem(sys.modules, "torch_npu", emu.as_module())
+    monkeypatch.delenv(platform.EMULATOR_ENV, raising=False)
+    monkeypatch.delenv(platform.FORCE_PORTABLE_ENV, raising=False)
+    monkeypatch.setattr(platform, "npu_available", lambda: (True, "pretend one NPU"))
+    platform.reset()
+    try:
+        assert platform.path_for_device("cpu") is KernelPath.PORTABLE
+        assert platform.path_for_device("npu") is KernelPath.NPU
+        g = _g(14)
+        x, w, ws = torch.randn(3, 32, generator=g), _int8((8, 32), g), torch.rand(8, generator=g)
+        # The portable kernel takes the [N, K] checkpoint layout; the NPU one would refuse it as [K, N].
+        y = dispatch.op("modelslim.w8a8_dynamic_linear")(x, dispatch.op("modelslim.pack_weight")(w), ws)
+        torch.testing.assert_close(y, pk.w8a8_dynamic_linear(x, w, ws))
+        monkeypatch.setenv(platform.FORCE_PORTABLE_ENV, "1")
+        platform.reset()
+        assert platform.path_for_device("npu") is KernelPath.PORTABLE
+    finally:
+        platform.reset()
+
+
+def test_emulator_env_refused_without_the_emulator(monkeypatch):
+    monkeypatch.setenv(platform.EMULATOR_ENV, "1")
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # import torch_npu -> ImportError
+    platform.reset()
+    try:
+        with pytest.raises(RuntimeError, match="no torch_npu emulator is installed"):
+            platform.path_for_device("cpu")
+    finally:
+        platform.reset()
+
+
+def test_portable_int8_matmul_uses_no_float64(monkeypatch):
+    """Ascend devices have no float64: the fallback (no torch._int_mm) must stay exact without it."""
+    from torch.overrides import TorchFunctionMode
+
+    seen = set()
+
+    class Dtypes(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            for v in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(v, torch.Tensor):
+                    seen.add(v.dtype)
+            return out
+
+    monkeypatch.setattr(pk, "_INT_MM_OK", False)
+    k = 4096  # |acc| up to 2**26: beyond float32's exact integers, so one float32 matmul would not do
+    xq = torch.full((3, k), -128, dtype=torch.int8)
+    w = torch.full((5, k), -128, dtype=torch.int8)
+    w[1] = 127
+    w[2, ::3] = 5
+    with Dtypes():
+        acc = pk.int8_matmul(xq, w)
+    assert torch.float64 not in seen
+    assert torch.equal(acc.long(), xq.long() @ w.long().t())
