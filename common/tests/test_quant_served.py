@@ -155,8 +155,10 @@ def _autoselect_chain_broken() -> str | None:
 
 def test_foreign_hf_config_parser_breaking_the_chain_is_caught():
     """The guard above names a parser registered for 'hf' that does not chain to ours (no engine start)."""
+    from vllm.plugins import load_general_plugins
     from vllm.transformers_utils import config as vcfg
 
+    load_general_plugins()  # once per process: what is saved below must already hold the plugins' parsers
     saved = dict(vcfg._CONFIG_FORMAT_TO_CONFIG_PARSER)
     try:
         assert _autoselect_chain_broken() is None  # every installed plugin chains today
