@@ -19,20 +19,18 @@ class Rwkv7UnsupportedError(ValueError):
 def unsupported_reasons(vllm_config) -> list[str]:
     reasons = []
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size > 1:
+    tp = par.tensor_parallel_size
+    cfg = vllm_config.model_config.hf_config
+    heads = cfg.hidden_size // cfg.head_dim
+    if tp > 1 and heads % tp:
         reasons.append(
-            f"tensor parallelism (tensor_parallel_size={par.tensor_parallel_size}) is not supported by the RWKV-7 "
-            "adapter yet: serve with --tensor-parallel-size 1 (use data parallelism to scale out)"
+            f"tensor parallelism splits heads across ranks: {heads} heads are not divisible by "
+            f"tensor_parallel_size={tp}"
         )
     if par.pipeline_parallel_size > 1:
         reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size}) is not supported")
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
-    if vllm_config.cache_config.enable_prefix_caching:
-        reasons.append(
-            "prefix caching is not supported: RWKV-7 keeps one recurrent state per sequence and no per-block "
-            "checkpoints to reuse; drop --enable-prefix-caching"
-        )
     return reasons
 
 
