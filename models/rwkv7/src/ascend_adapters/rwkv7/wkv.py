@@ -136,10 +136,8 @@ def wkv7_chunk(
         valid = pos < ends[:n_seq, None]
         pos = torch.where(valid, pos, T)
 
-        def gather(t):  # [T + 1, H, N] -> [n_seq, G, H, L, N]
-            return t[pos].view(n_seq, G, L, H, N).transpose(2, 3)
-
-        rc, kc, vc, ac, bc, lw = (gather(t) for t in (r, k, v, a, b, logw))
+        # [T + 1, H, N] -> [n_seq, G, H, L, N]
+        rc, kc, vc, ac, bc, lw = (t[pos].view(n_seq, G, L, H, N).transpose(2, 3) for t in (r, k, v, a, b, logw))
         cl = lw.cumsum(dim=3)  # log of prod_{i<=t} w_i
         cl_prev = cl - lw  # prod_{i<t} w_i
         # With RWKV-7's decay (log w >= -exp(-0.5) per token) the factors exp(+-cl) stay within
