@@ -29,6 +29,12 @@ def unsupported_reasons(vllm_config) -> list[str]:
         )
     if par.pipeline_parallel_size > 1:
         reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size}) is not supported")
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching and getattr(cache, "mamba_cache_mode", "align") not in ("none", "align"):
+        reasons.append(
+            f"prefix caching with mamba_cache_mode={cache.mamba_cache_mode!r} is not supported: RWKV-7 keeps "
+            "states at block boundaries ('align', the default with --enable-prefix-caching)"
+        )
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
     return reasons
@@ -44,4 +50,9 @@ class Rwkv7EngineConfig(MambaModelConfig):
         reasons = unsupported_reasons(vllm_config)
         if reasons:
             raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
+        cache = vllm_config.cache_config
+        if cache.enable_prefix_caching and cache.mamba_cache_mode == "none":
+            # some engines would pick 'all' (per-token states inside the kernels) for a model that
+            # supports mamba prefix caching; RWKV-7 copies whole states at block boundaries
+            cache.mamba_cache_mode = "align"
         super().verify_and_update_config(vllm_config)
