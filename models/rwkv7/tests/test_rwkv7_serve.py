@@ -93,6 +93,7 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
         ["tp2", str(good), {"tensor_parallel_size": 2}],
         ["tp4_two_heads", str(good), {"tensor_parallel_size": 4}],
         ["prefix_caching", str(good), {"enable_prefix_caching": True}],
+        ["prefix_caching_all", str(good), {"enable_prefix_caching": True, "mamba_cache_mode": "all"}],
         ["pp2", str(good), {"pipeline_parallel_size": 2}],
         [
             "speculative",
@@ -117,6 +118,7 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
         "RWKV-7 adapter: tensor parallelism splits heads across ranks: 2 heads are not divisible by "
         "tensor_parallel_size=4" in got["tp4_two_heads"]
     ), got["tp4_two_heads"]
+    assert "prefix caching with mamba_cache_mode='all' is not supported" in got["prefix_caching_all"]
     assert "pipeline parallelism (pipeline_parallel_size=2) is not supported" in got["pp2"]
     assert "speculative decoding is not supported" in got["speculative"]
     assert "checkpoint and config.json disagree" in got["config_vs_weights"]
