@@ -105,7 +105,7 @@ def wkv7_chunk(
     position (longest first, so the ones still running are a leading slice); a group of positions
     is gathered for all of them at once, its intra-chunk algebra runs as batched matmuls, then the
     ``[N, N]`` state update steps through the group's positions. A sequence that has run out is
-    fed identity transitions (log w = 0, zero r/k/v/a/b), which change neither its state nor any
+    fed identity transitions (w = 1, zero r/k/v/a/b), which change neither its state nor any
     output. Groups hold about ``_TILE_CHUNKS`` chunks so the working set stays in cache.
     """
     T, H, N = r.shape
@@ -118,10 +118,6 @@ def wkv7_chunk(
     S = torch.zeros(B, H, N, N, dtype=torch.float32, device=dev) if initial_state is None else initial_state.float()
     S = S[order].clone() if order != list(range(B)) else S.clone()
     y = torch.empty(T, H, N, dtype=torch.float32, device=dev)
-    zero = torch.zeros(1, H, N, dtype=torch.float32, device=dev)
-    # row T of every input is the padding row
-    r, k, v, a, b = (torch.cat([t.float(), zero]) for t in (r, k, v, a, b))
-    logw = torch.cat([torch.log(w.float()), zero])
     starts = torch.tensor([cu[i] for i in order], device=dev)
     ends = torch.tensor([cu[i + 1] for i in order], device=dev)
     idx = torch.arange(L, device=dev)
@@ -134,10 +130,13 @@ def wkv7_chunk(
         G = min(max(1, _TILE_CHUNKS // n_seq), total - j0)
         pos = starts[:n_seq, None] + j0 * L + torch.arange(G * L, device=dev)[None]  # [n_seq, G L]
         valid = pos < ends[:n_seq, None]
-        pos = torch.where(valid, pos, T)
-
-        # [T + 1, H, N] -> [n_seq, G, H, L, N]
-        rc, kc, vc, ac, bc, lw = (t[pos].view(n_seq, G, L, H, N).transpose(2, 3) for t in (r, k, v, a, b, logw))
+        pad = ~valid.view(n_seq, G, L, 1, 1)
+        src = pos.clamp(max=T - 1)
+        # [T, H, N] -> [n_seq, G, H, L, N]; padding: zero r/k/v/a/b and w = 1 (log w = 0)
+        rc, kc, vc, ac, bc = (
+            t[src].float().view(n_seq, G, L, H, N).masked_fill_(pad, 0.0).transpose(2, 3) for t in (r, k, v, a, b)
+        )
+        lw = torch.log(w[src].float().view(n_seq, G, L, H, N).masked_fill_(pad, 1.0)).transpose(2, 3)
         cl = lw.cumsum(dim=3)  # log of prod_{i<=t} w_i
         cl_prev = cl - lw  # prod_{i<t} w_i
         # With RWKV-7's decay (log w >= -exp(-0.5) per token) the factors exp(+-cl) stay within
