@@ -381,11 +381,11 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
     return 0
 
 
-def run_served(kind, spec):
+def run_served(kind, spec, env=None):
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
         spec_path.write_text(json.dumps(spec))
-        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
         proc = subprocess.run(
             [sys.executable, __file__, "--_served-worker", kind, str(spec_path), str(out)],
             env=env,
@@ -452,17 +452,19 @@ def main(argv=None) -> int:
                 for n in sorted({1, threads})
             }
             _progress("kernel: 8 x 512 batched call vs loop", kern)
-            served = run_served(
-                "prefill_batch",
-                {
-                    "model": str(model_dir),
-                    "prompts": [_ids(n, shape["vocab"], 100 + i) for i, n in enumerate(lengths)],
-                    "max_model_len": BATCH_PROMPT_TOKENS + 64,
-                    "repeats": args.repeats,
-                },
-            )
+            spec = {
+                "model": str(model_dir),
+                "prompts": [_ids(n, shape["vocab"], 100 + i) for i, n in enumerate(lengths)],
+                "max_model_len": BATCH_PROMPT_TOKENS + 64,
+                "repeats": args.repeats,
+            }
+            served = run_served("prefill_batch", spec)
             _progress("served: 8 x 512 batched call vs loop", served)
-            result["prefill_batch"] = {"kernel": kern, "served": served}
+            # the worker's OpenMP threads on one core, the served counterpart of the 1-thread kernel timing
+            served_1 = run_served("prefill_batch", spec, {"VLLM_CPU_OMP_THREADS_BIND": "0"})
+            _progress("served, one OpenMP thread: 8 x 512 batched call vs loop", served_1)
+            result["prefill_batch"] = {"kernel": kern, "served": served, "served_one_thread": served_1}
+            result["ratios"]["prefill_8x512_batched_vs_loop_served_one_thread"] = served_1["ratio"]
             for key, k in kern.items():
                 result["ratios"][f"prefill_8x512_batched_vs_loop_kernel_{key}"] = k["ratio"]
             result["ratios"]["prefill_8x512_batched_vs_loop_served"] = served["ratio"]
@@ -501,7 +503,8 @@ def main(argv=None) -> int:
         print(
             f"prefill {BATCH_PROMPTS} x {BATCH_PROMPT_TOKENS}: one batched WKV call vs per-sequence loop -> kernel "
             f"{kernels}; served {pb['served']['ratio']:.2f}x "
-            f"({pb['served']['batched_tok_s']:.0f} vs {pb['served']['per_sequence_loop_tok_s']:.0f} tok/s)"
+            f"({pb['served']['batched_tok_s']:.0f} vs {pb['served']['per_sequence_loop_tok_s']:.0f} tok/s), "
+            f"served on one thread {pb['served_one_thread']['ratio']:.2f}x"
         )
     if "prefix_cache" in sections:
         pc = result["prefix_cache"]
