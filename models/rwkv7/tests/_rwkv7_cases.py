@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 from ascend_adapters.rwkv7.convert import convert
@@ -14,10 +18,13 @@ CASES = {
     "h32x3_l2": {"n_layer": 2, "n_embd": 96, "head_size": 32, "vocab": 1024, "seed": 2},
 }
 
+# tensor parallelism: 4 heads give 2 per rank at TP=2 (a group norm of two groups per rank)
+TP_CASES = {"h32x4_l2": {"n_layer": 2, "n_embd": 128, "head_size": 32, "vocab": 1024, "seed": 3}}
+
 
 def build_case(root: Path, name: str) -> tuple[Path, Path]:
     """(source .pth, converted HF dir)."""
-    spec = CASES[name]
+    spec = {**CASES, **TP_CASES}[name]
     pth = write_pth(root / f"{name}.pth", blinkdl_state_dict(**spec))
     out = convert(pth, root / name, log=lambda *_: None)
     return pth, out
@@ -26,3 +33,19 @@ def build_case(root: Path, name: str) -> tuple[Path, Path]:
 def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:
     rng = random.Random(seed)
     return [[rng.randrange(1, vocab) for _ in range(n)] for n in lengths]
+
+
+def engine_configs(cases, tmp_path) -> dict:
+    """Build vLLM's engine config for each ``[name, model_dir, engine_kwargs]`` in a subprocess;
+    returns ``{name: "OK" or the error message}``."""
+    spec, out = tmp_path / "cases.json", tmp_path / "out.json"
+    spec.write_text(json.dumps(cases))
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).parent / "_rwkv7_engine_config.py"), str(spec), str(out)],
+        env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
+    return json.loads(out.read_text())

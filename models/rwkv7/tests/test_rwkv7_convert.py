@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from ascend_adapters.rwkv7.config import Rwkv7Config, Rwkv7ConfigError, check_shapes, hf_tensor_shapes
 from ascend_adapters.rwkv7.convert import ConversionError, convert, main
-from ascend_adapters.rwkv7.remap import HF_TO_MODEL, blinkdl_remapper
+from ascend_adapters.rwkv7.remap import blinkdl_remapper
 from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, make_tiny, write_pth
 
 SPEC = {"n_layer": 2, "n_embd": 64, "head_size": 32, "vocab": 300, "seed": 5}
@@ -83,14 +83,15 @@ def test_layer0_value_lora_is_skipped_on_purpose():
     assert len(report.mapped) == len(sd) - 3
 
 
-def test_hf_to_model_rules_rename_lora_and_flatten_shifts():
-    from ascend_adapters.common.remap import Remapper
+def test_serving_mapper_renames_lora_indices():
+    """vLLM's WeightsMapper of the model class maps fla's LoRA ``Sequential`` indices to down/up."""
+    from ascend_adapters.rwkv7.model import Rwkv7ForCausalLM
 
-    rm = Remapper(list(HF_TO_MODEL))
-    assert rm.map_name("model.layers.1.attn.w_lora.lora.0.weight")[0] == "model.layers.1.attn.w_lora.down.weight"
-    assert rm.map_name("model.layers.1.attn.g_lora.lora.2.weight")[0] == "model.layers.1.attn.g_lora.up.weight"
-    name, transforms = rm.map_name("model.layers.0.attn.x_g")
-    assert name == "model.layers.0.attn.x_g" and transforms[0](torch.zeros(1, 1, 8)).shape == (8,)
+    m = Rwkv7ForCausalLM.hf_to_vllm_mapper
+    assert m._map_name("model.layers.1.attn.w_lora.lora.0.weight") == "model.layers.1.attn.w_lora.down.weight"
+    assert m._map_name("model.layers.1.attn.g_lora.lora.2.weight") == "model.layers.1.attn.g_lora.up.weight"
+    assert m._map_name("model.layers.2.attn.v_lora.lora.2.bias") == "model.layers.2.attn.v_lora.up.bias"
+    assert m._map_name("model.layers.0.attn.x_g") == "model.layers.0.attn.x_g"
 
 
 def test_missing_tensor_is_named(tmp_path):

@@ -46,6 +46,7 @@ def policy_class(
     check_model: Callable | None = None,
     base: type | None = None,
     name: str = "StartupPolicy",
+    before_parents: bool = False,
 ) -> type:
     """The class ``install_policy`` maps: ``current`` (and ``base``) first, then the adapter's checks."""
     key = _key(check)
@@ -62,9 +63,12 @@ def policy_class(
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
+            if before_parents:
+                check(vllm_config)
             for parent in parents:
                 parent.verify_and_update_config(vllm_config)
-            check(vllm_config)
+            if not before_parents:
+                check(vllm_config)
 
     setattr(Policy, _MARKER, key)
     Policy.__name__ = Policy.__qualname__ = name
@@ -78,10 +82,13 @@ def install_policy(
     check_model: Callable | None = None,
     base: type | None = None,
     name: str = "StartupPolicy",
+    before_parents: bool = False,
 ) -> list[str]:
     """Hook ``check(vllm_config)`` (and ``check_model(model_config)``) into vLLM's config checks.
 
     ``check`` raises, with the reason and the fix, on what the adapter cannot serve.
+    ``before_parents``: run ``check`` before the parents' hooks instead of after, for an
+    adapter that must set a cache option the parents then size from.
     Returns the architectures installed by this call.
     """
     from vllm.model_executor.models.config import MODELS_CONFIG_MAP
@@ -92,6 +99,8 @@ def install_policy(
         current = MODELS_CONFIG_MAP.get(arch)
         if getattr(current, _MARKER, None) == key:
             continue
-        MODELS_CONFIG_MAP[arch] = policy_class(current, check, check_model=check_model, base=base, name=name)
+        MODELS_CONFIG_MAP[arch] = policy_class(
+            current, check, check_model=check_model, base=base, name=name, before_parents=before_parents
+        )
         done.append(arch)
     return done

@@ -9,13 +9,17 @@ Per head, with the state ``S`` of shape ``[N(value), N(key)]`` (float32)::
 where ``w`` is the per-key decay in (0, 1), ``a = -kk`` and ``b = kk * a_gate``
 (RWKV-7's in-context learning rate). All three forms compute the same thing:
 
-* ``wkv7_reference``: the loop above, token by token (checks the other two);
+* ``wkv7_reference``: the loop above, token by token (checks the other two;
+  ``wkv7_reference_varlen`` runs it over each sequence of a flat batch);
 * ``wkv7_step``: one token for a batch of sequences, each with its own state
   (decode);
-* ``wkv7_chunk``: the prompt form. Inside a chunk of ``L`` tokens the state
+* ``wkv7_chunk``: the prompt form, for a whole flat batch of sequences in one
+  call (flash-linear-attention's ``cu_seqlens`` / ``initial_state`` /
+  ``output_final_state`` signature). Inside a chunk of ``L`` tokens the state
   dependence is solved in matrix form (a unit lower-triangular solve, the WY
-  form of the product of ``diag(w) + a b^T`` transitions) for all chunks at
-  once; only a ``[N, N]`` state update per chunk is sequential.
+  form of the product of ``diag(w) + a b^T`` transitions) for all chunks of all
+  sequences at once; only a ``[N, N]`` state update per chunk position is
+  sequential, batched over the sequences.
 
 The step and chunk functions are kernel ops of ``ascend_adapters.common.dispatch``
 (``rwkv7.wkv_step``, ``rwkv7.wkv_chunk``) so an NPU kernel can replace them.
@@ -28,6 +32,8 @@ import torch
 from ascend_adapters.common import dispatch
 
 DEFAULT_CHUNK = 32
+# chunks whose intra-chunk algebra runs in one batch (about 0.8 MB per operand at H = 12, N = 64)
+_TILE_CHUNKS = 16
 
 
 def wkv7_reference(r, w, k, v, a, b, state):
@@ -61,61 +67,112 @@ def wkv7_step(r, w, k, v, a, b, state):
     return torch.einsum("bhvk,bhk->bhv", state, r)
 
 
-@dispatch.portable("rwkv7.wkv_chunk")
-def wkv7_chunk(r, w, k, v, a, b, state, chunk_size: int = DEFAULT_CHUNK):
-    """Chunked parallel form for one sequence (a prompt or a prompt chunk).
+def wkv7_reference_varlen(r, w, k, v, a, b, initial_state, cu_seqlens):
+    """``wkv7_reference`` over each sequence of a flat batch (the reference for ``wkv7_chunk``)."""
+    ys, finals = [], []
+    bounds = [int(x) for x in cu_seqlens]
+    for i in range(len(bounds) - 1):
+        s, e = bounds[i], bounds[i + 1]
+        y, S = wkv7_reference(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], initial_state[i])
+        ys.append(y)
+        finals.append(S)
+    return torch.cat(ys), torch.stack(finals)
 
-    r, w, k, v, a, b: ``[T, H, N]``; state: ``[H, N, N]`` float32, updated in place.
-    Returns ``y [T, H, N]`` float32.
+
+@dispatch.portable("rwkv7.wkv_chunk")
+def wkv7_chunk(
+    r,
+    w,
+    k,
+    v,
+    a,
+    b,
+    initial_state=None,
+    output_final_state: bool = True,
+    cu_seqlens=None,
+    chunk_size: int = DEFAULT_CHUNK,
+):
+    """Chunked parallel form for a flat batch of sequences (prompts or prompt chunks), in one call.
+
+    The signature follows flash-linear-attention's ``chunk_rwkv7``: r, w, k, v, a, b are the
+    sequences concatenated, ``[T, H, N]``; ``cu_seqlens`` ``[B + 1]`` holds each sequence's start
+    offset (``None``: one sequence); ``initial_state`` ``[B, H, N, N]`` float32 (value, key; fla
+    keeps key first) is each sequence's state before its tokens (``None``: zeros). ``w`` is the
+    decay itself, not its log. Returns ``(y [T, H, N] float32, final state [B, H, N, N] or None)``;
+    the inputs are not modified.
+
+    Chunks never straddle two sequences. The sequences advance together, chunk position by chunk
+    position (longest first, so the ones still running are a leading slice); a group of positions
+    is gathered for all of them at once, its intra-chunk algebra runs as batched matmuls, then the
+    ``[N, N]`` state update steps through the group's positions. A sequence that has run out is
+    fed identity transitions (w = 1, zero r/k/v/a/b), which change neither its state nor any
+    output. Groups hold about ``_TILE_CHUNKS`` chunks so the working set stays in cache.
     """
     T, H, N = r.shape
     L = chunk_size
-    n_chunks = (T + L - 1) // L
-    pad = n_chunks * L - T
-    r, w, k, v, a, b = (t.float() for t in (r, w, k, v, a, b))
-    logw = torch.log(w)
-    if pad:
-        # identity transitions with no input: they change neither state nor outputs
-        r, k, v, a, b, logw = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, pad)) for t in (r, k, v, a, b, logw))
-
-    def chunks(t):  # [T, H, N] -> [C, H, L, N]
-        return t.view(n_chunks, L, H, N).transpose(1, 2)
-
-    r, k, v, a, b, logw = (chunks(t) for t in (r, k, v, a, b, logw))
-    cl = logw.cumsum(dim=2)  # log of prod_{i<=t} w_i, [C, H, L, N]
-    cl_prev = cl - logw  # prod_{i<t} w_i
-    # With RWKV-7's decay (log w >= -exp(-0.5) per token) the factors exp(+-cl) stay within
-    # exp(0.61 * L) inside a chunk, so the pairwise decay exp(cl_t - cl_s) can be split into
-    # two scaled operands and every intra-chunk product becomes one batched matmul.
-    idx = torch.arange(L, device=r.device)
+    dev = r.device
+    cu = [0, T] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    B = len(cu) - 1
+    n_chunks = [(cu[i + 1] - cu[i] + L - 1) // L for i in range(B)]
+    order = sorted(range(B), key=lambda i: -n_chunks[i])
+    S = torch.zeros(B, H, N, N, dtype=torch.float32, device=dev) if initial_state is None else initial_state.float()
+    S = S[order].clone() if order != list(range(B)) else S.clone()
+    y = torch.empty(T, H, N, dtype=torch.float32, device=dev)
+    starts = torch.tensor([cu[i] for i in order], device=dev)
+    ends = torch.tensor([cu[i + 1] for i in order], device=dev)
+    idx = torch.arange(L, device=dev)
     strict = idx[:, None] > idx[None, :]  # s < t
     incl = idx[:, None] >= idx[None, :]  # s <= t
-    inv = torch.exp(-cl)
-    b_in, k_in = b * inv, k * inv  # b_s / prod_{i<=s} w_i
-    a_dec = a * torch.exp(cl_prev)  # a_t * prod_{i<t} w_i
-    r_dec = r * torch.exp(cl)  # r_t * prod_{i<=t} w_i
-    m_ab = (a_dec @ b_in.transpose(-1, -2)).masked_fill(~strict, 0.0)
-    m_ak = (a_dec @ k_in.transpose(-1, -2)).masked_fill(~strict, 0.0)
-    m_rb = (r_dec @ b_in.transpose(-1, -2)).masked_fill(~incl, 0.0)
-    m_rk = (r_dec @ k_in.transpose(-1, -2)).masked_fill(~incl, 0.0)
-    eye = torch.eye(L, device=r.device, dtype=r.dtype)
-    # u_t = S_{t-1} a_t for all t of a chunk: (I - M_ab) U = A~ S0^T + M_ak V
-    tri = eye - m_ab
-    u_v = torch.linalg.solve_triangular(tri, m_ak @ v, upper=False, unitriangular=True)
-    u_s = torch.linalg.solve_triangular(tri, a_dec, upper=False, unitriangular=True)
-    # outputs: Y = Y_v + Y_s S0^T
-    y_v = m_rb @ u_v + m_rk @ v
-    y_s = r_dec + m_rb @ u_s
-    # state after the chunk: S0 G + Hc
-    last = cl[:, :, -1:, :]  # [C, H, 1, N]
-    to_end = torch.exp(last - cl)  # decay from after s to the chunk end
-    b_end, k_end = b * to_end, k * to_end
-    g = torch.diag_embed(torch.exp(last.squeeze(2))) + u_s.transpose(-1, -2) @ b_end  # [C, H, N, N]
-    h = u_v.transpose(-1, -2) @ b_end + v.transpose(-1, -2) @ k_end  # [C, H, N(v), N(k)]
-    ys = torch.empty_like(y_v)
-    S = state
-    for c in range(n_chunks):
-        ys[c] = y_v[c] + y_s[c] @ S.transpose(-1, -2)
-        S.copy_(S @ g[c] + h[c])
-    y = ys.transpose(1, 2).reshape(n_chunks * L, H, N)
-    return y[:T]
+    eye = torch.eye(L, device=dev, dtype=torch.float32)
+    j0, total = 0, max(n_chunks, default=0)
+    while j0 < total:
+        n_seq = sum(1 for i in order if n_chunks[i] > j0)
+        G = min(max(1, _TILE_CHUNKS // n_seq), total - j0)
+        pos = starts[:n_seq, None] + j0 * L + torch.arange(G * L, device=dev)[None]  # [n_seq, G L]
+        valid = pos < ends[:n_seq, None]
+        pad = ~valid.view(n_seq, G, L, 1, 1)
+        src = pos.clamp(max=T - 1)
+        # [T, H, N] -> [n_seq, G, H, L, N]; padding: zero r/k/v/a/b and w = 1 (log w = 0)
+        rc, kc, vc, ac, bc = (
+            t[src].float().view(n_seq, G, L, H, N).masked_fill_(pad, 0.0).transpose(2, 3) for t in (r, k, v, a, b)
+        )
+        lw = torch.log(w[src].float().view(n_seq, G, L, H, N).masked_fill_(pad, 1.0)).transpose(2, 3)
+        cl = lw.cumsum(dim=3)  # log of prod_{i<=t} w_i
+        cl_prev = cl - lw  # prod_{i<t} w_i
+        # With RWKV-7's decay (log w >= -exp(-0.5) per token) the factors exp(+-cl) stay within
+        # exp(0.61 * L) inside a chunk, so the pairwise decay exp(cl_t - cl_s) can be split into
+        # two scaled operands and every intra-chunk product becomes one batched matmul.
+        inv = torch.exp(-cl)
+        b_in, k_in = bc * inv, kc * inv  # b_s / prod_{i<=s} w_i
+        a_dec = ac * torch.exp(cl_prev)  # a_t * prod_{i<t} w_i
+        r_dec = rc * torch.exp(cl)  # r_t * prod_{i<=t} w_i
+        m_ab = (a_dec @ b_in.transpose(-1, -2)).masked_fill_(~strict, 0.0)
+        m_ak = (a_dec @ k_in.transpose(-1, -2)).masked_fill_(~strict, 0.0)
+        m_rb = (r_dec @ b_in.transpose(-1, -2)).masked_fill_(~incl, 0.0)
+        m_rk = (r_dec @ k_in.transpose(-1, -2)).masked_fill_(~incl, 0.0)
+        # u_t = S_{t-1} a_t for all t of a chunk: (I - M_ab) U = A~ S0^T + M_ak V
+        tri = eye - m_ab
+        u_v = torch.linalg.solve_triangular(tri, m_ak @ vc, upper=False, unitriangular=True)
+        u_s = torch.linalg.solve_triangular(tri, a_dec, upper=False, unitriangular=True)
+        # outputs: Y = Y_v + Y_s S0^T
+        y_v = m_rb @ u_v + m_rk @ vc
+        y_s = r_dec + m_rb @ u_s
+        # state after the chunk: S0 G + Hc
+        last = cl[..., -1:, :]  # [n_seq, G, H, 1, N]
+        to_end = torch.exp(last - cl)  # decay from after s to the chunk end
+        b_end, k_end = bc * to_end, kc * to_end
+        g = torch.diag_embed(torch.exp(last.squeeze(-2))) + u_s.transpose(-1, -2) @ b_end  # [n_seq, G, H, N, N]
+        h = u_v.transpose(-1, -2) @ b_end + vc.transpose(-1, -2) @ k_end  # [n_seq, G, H, N(v), N(k)]
+        ys = torch.empty_like(y_v)
+        s_now = S[:n_seq]
+        for c in range(G):
+            ys[:, c] = y_v[:, c] + y_s[:, c] @ s_now.transpose(-1, -2)
+            s_now = s_now @ g[:, c] + h[:, c]
+        S[:n_seq] = s_now
+        y[pos[valid]] = ys.transpose(2, 3).reshape(n_seq, G * L, H, N)[valid]
+        j0 += G
+    if not output_final_state:
+        return y, None
+    final = torch.empty_like(S)
+    final[order] = S
+    return y, final

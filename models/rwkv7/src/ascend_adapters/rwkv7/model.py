@@ -13,12 +13,17 @@ slot never leaks another request's state, and a preempted request restarts
 from zero.
 
 Batches come with decodes first (one token each: batched ``wkv_step``), then
-prefills (``wkv_chunk`` per sequence, starting from the stored state when the
-prompt is continued by chunked prefill).
+prefills (one ``wkv_chunk`` call over all of them, each starting from its
+stored state when the prompt is continued by chunked prefill).
+
+Tensor parallelism splits the heads: each rank holds ``H / tp`` heads of every
+time-mix (and their ``[H / tp, N, N]`` WKV states) and a column slice of the
+channel-mix; the two row-parallel projections all-reduce.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -26,27 +31,31 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
+from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
-from ascend_adapters.rwkv7.config import Rwkv7ConfigError, check_checkpoint_dir, validate_config
-from ascend_adapters.rwkv7.remap import hf_remapper
+from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
 
 # exp(-0.5): RWKV-7's decay is w = exp(-exp(-0.5) * sigmoid(.)), so log w >= -0.6065 per token
 _DECAY_SCALE = 0.6065306597126334
 
 
-def state_shapes(config) -> tuple[tuple[int], tuple[int, int, int], tuple[int]]:
+def state_shapes(config, tp_size: int = 1) -> tuple[tuple[int], tuple[int, int, int], tuple[int]]:
+    """Per rank: the two shift vectors hold the (replicated) layer input, the WKV matrix this rank's heads."""
     c, n = config.hidden_size, config.head_dim
-    return (c,), (c // n, n, n), (c,)
+    return (c,), (c // n // tp_size, n, n), (c,)
 
 
 def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
@@ -73,6 +82,11 @@ class _Batch:
     any_fresh: bool
     first: torch.Tensor  # [num_reqs] index of each sequence's first token
     last: torch.Tensor  # [num_reqs] index of each sequence's last token
+    prefill_cu: torch.Tensor  # [num_prefills + 1] prefill starts relative to the first prefill token
+
+    @property
+    def prefill_start(self) -> int:
+        return self.starts[self.num_decodes] if len(self.starts) > self.num_decodes else self.num_tokens
 
     @classmethod
     def from_metadata(cls, md) -> _Batch:
@@ -84,6 +98,7 @@ class _Batch:
         fresh = (seq_lens - q_lens) <= 0
         slots = md.state_indices_tensor[:num_reqs].long()
         starts = torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device)
+        p0 = qsl[md.num_decodes]
         return cls(
             num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
             num_decodes=md.num_decodes,
@@ -94,6 +109,7 @@ class _Batch:
             any_fresh=bool(fresh.any()),
             first=starts,
             last=torch.tensor(qsl[1:], dtype=torch.long, device=slots.device) - 1,
+            prefill_cu=torch.tensor([q - p0 for q in qsl[md.num_decodes :]], dtype=torch.long),
         )
 
 
@@ -110,12 +126,16 @@ def _token_shift(x: torch.Tensor, shift_state: torch.Tensor | None, batch: _Batc
 
 
 class Rwkv7LoRA(nn.Module):
-    """``up(act(down(x)))``: fla's ``lora.0`` / ``lora.2``."""
+    """``up(act(down(x)))``: fla's ``lora.0`` / ``lora.2``.
+
+    ``down`` is replicated (its input is the full hidden state); ``up`` is column-parallel, so each
+    rank gets the channels of its own heads.
+    """
 
     def __init__(self, c: int, rank: int, bias: bool, quant_config, prefix: str):
         super().__init__()
         self.down = ReplicatedLinear(c, rank, bias=False, quant_config=quant_config, prefix=f"{prefix}.down")
-        self.up = ReplicatedLinear(rank, c, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up")
+        self.up = ColumnParallelLinear(rank, c, bias=bias, quant_config=quant_config, prefix=f"{prefix}.up")
 
     def forward(self, x: torch.Tensor, act=None) -> torch.Tensor:
         h, _ = self.down(x)
@@ -125,16 +145,50 @@ class Rwkv7LoRA(nn.Module):
         return out
 
 
+def _param(*shape: int, loader) -> nn.Parameter:
+    p = nn.Parameter(torch.zeros(*shape), requires_grad=False)
+    set_weight_attrs(p, {"weight_loader": loader})
+    return p
+
+
+def _flat_loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+    """The HF layout stores the token-shift mixes as ``[1, 1, C]``."""
+    default_weight_loader(param, loaded.reshape(param.shape))
+
+
+class Rwkv7GroupNorm(nn.Module):
+    """``ln_x``: a group norm with one group per head; each rank normalises its own heads."""
+
+    def __init__(self, num_heads: int, channels: int, eps: float):
+        super().__init__()
+        self.num_heads, self.eps = num_heads, eps
+        self.weight = _param(channels, loader=sharded_weight_loader(0))
+        self.bias = _param(channels, loader=sharded_weight_loader(0))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.group_norm(x, self.num_heads, self.weight, self.bias, self.eps)
+
+
 class Rwkv7TimeMix(nn.Module):
+    """Heads are split across tensor-parallel ranks: r/k/v and the LoRA up-projections are
+    column-parallel, the per-channel vectors of k and the group norm hold this rank's heads, and
+    ``o_proj`` is row-parallel (its all-reduce is the layer's only communication). The token-shift
+    mixes act on the replicated layer input and stay whole.
+    """
+
     def __init__(self, config, layer_id: int, quant_config, prefix: str):
         super().__init__()
         c, n = config.hidden_size, config.head_dim
+        tp = get_tensor_model_parallel_world_size()
         self.layer_id = layer_id
-        self.hidden_size, self.head_dim, self.num_heads = c, n, c // n
+        self.hidden_size, self.head_dim = c, n
+        self.num_heads = c // n // tp  # this rank's heads
         self.group_norm_eps = config.head_dim * config.norm_eps
-        for x in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "k_k", "k_a"):
-            setattr(self, x, nn.Parameter(torch.zeros(c), requires_grad=False))
-        self.r_k = nn.Parameter(torch.zeros(self.num_heads, n), requires_grad=False)
+        for x in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g"):
+            setattr(self, x, _param(c, loader=_flat_loader))
+        self.k_k = _param(c // tp, loader=sharded_weight_loader(0))
+        self.k_a = _param(c // tp, loader=sharded_weight_loader(0))
+        self.r_k = _param(self.num_heads, n, loader=sharded_weight_loader(0))
         self.r_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.r_proj")
         self.k_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.k_proj")
         self.v_proj = ColumnParallelLinear(c, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.v_proj")
@@ -144,7 +198,8 @@ class Rwkv7TimeMix(nn.Module):
         if layer_id > 0:
             self.v_lora = Rwkv7LoRA(c, config.v_low_rank_dim, True, quant_config, f"{prefix}.v_lora")
         self.g_lora = Rwkv7LoRA(c, config.gate_low_rank_dim, False, quant_config, f"{prefix}.g_lora")
-        self.g_norm = nn.GroupNorm(self.num_heads, c, eps=self.group_norm_eps)
+        self.g_norm = Rwkv7GroupNorm(self.num_heads, self.num_heads * n, self.group_norm_eps)
+        self.batched_prefill = True  # False: today's per-sequence loop (kept as the bench's comparison point)
 
     def forward(self, x, v_first, shift_state, wkv_state, batch: _Batch | None):
         T = x.shape[0]
@@ -174,9 +229,9 @@ class Rwkv7TimeMix(nn.Module):
     def _wkv(self, r, w, k, v, a, b, wkv_state, batch: _Batch | None) -> torch.Tensor:
         T, H, N = r.shape[0], self.num_heads, self.head_dim
         r, w, k, v, a, b = (t.view(T, H, N) for t in (r, w, k, v, a, b))
+        chunk = dispatch.op("rwkv7.wkv_chunk")
         if batch is None:  # dummy/profiling run: one sequence, fresh state, nothing stored
-            state = torch.zeros(H, N, N, dtype=torch.float32, device=r.device)
-            return dispatch.op("rwkv7.wkv_chunk")(r, w, k, v, a, b, state).reshape(T, H * N)
+            return chunk(r, w, k, v, a, b, output_final_state=False)[0].reshape(T, H * N)
         y = torch.empty(T, H, N, dtype=torch.float32, device=r.device)
         nd = batch.num_decodes
         if nd:
@@ -184,11 +239,17 @@ class Rwkv7TimeMix(nn.Module):
             state = wkv_state[slots]
             y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
             wkv_state[slots] = state
-        for i in range(nd, len(batch.starts)):
-            s, e, slot = batch.starts[i], batch.ends[i], int(batch.slots[i])
-            state = wkv_state[slot].clone()
-            y[s:e] = dispatch.op("rwkv7.wkv_chunk")(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], state)
-            wkv_state[slot] = state
+        if len(batch.starts) > nd and self.batched_prefill:  # every prefill of the step in one call
+            s, e, slots = batch.prefill_start, batch.num_tokens, batch.slots[nd:]
+            y[s:e], final = chunk(
+                r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slots], cu_seqlens=batch.prefill_cu
+            )
+            wkv_state[slots] = final
+        elif len(batch.starts) > nd:
+            for i in range(nd, len(batch.starts)):
+                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
+                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
+                wkv_state[slot] = final
         return y.reshape(T, H * N)
 
 
@@ -232,7 +293,7 @@ class Rwkv7Block(nn.Module, MambaBase):
         return MambaAttentionBackendEnum.LINEAR
 
     def get_state_shape(self):
-        return state_shapes(self.config)
+        return state_shapes(self.config, get_tensor_model_parallel_world_size())
 
     def get_state_dtype(self):
         return state_dtypes(self.model_dtype)
@@ -271,8 +332,8 @@ class Rwkv7Block(nn.Module, MambaBase):
         h = h + a
         h = h + self.ffn(self.ffn_norm(h), ffn_shift, batch)
         out[:n] = h
-        if v_first is None:
-            v_first = torch.zeros_like(x)
+        if v_first is None:  # this rank's channels of layer 0's value
+            v_first = x.new_zeros(x.shape[0], vf.shape[1])
         v_first[:n] = vf
         return out, v_first
 
@@ -303,16 +364,35 @@ class Rwkv7Model(nn.Module):
         return self.norm(x)
 
 
-class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
-    """vLLM model class for ``RWKV7ForCausalLM`` checkpoints in the HF/fla layout."""
+class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
+    """vLLM model class for ``RWKV7ForCausalLM`` checkpoints in the HF/fla layout.
+
+    Prefix caching uses vLLM's "align" mode for recurrent state: the state cache has one
+    slot per ``block_size`` tokens of a request, prefill chunks end at block boundaries, the
+    state after each whole block stays in that block's slot, and a request whose prompt
+    shares whole blocks with an earlier one starts from the state copied out of the last
+    shared block (the three state tensors are copied whole).
+    """
+
+    # the HF/fla layout: LoRA ``Sequential`` indices become ``down``/``up``
+    hf_to_vllm_mapper = WeightsMapper(
+        orig_to_new_regex={
+            re.compile(r"\.([wavg])_lora\.lora\.0\."): r".\1_lora.down.",
+            re.compile(r"\.([wavg])_lora\.lora\.2\."): r".\1_lora.up.",
+        }
+    )
 
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(vllm_config.model_config.hf_config)
+        return state_shapes(vllm_config.model_config.hf_config, vllm_config.parallel_config.tensor_parallel_size)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
         return state_dtypes(vllm_config.model_config.dtype)
+
+    @classmethod
+    def get_mamba_state_copy_func(cls):
+        return (get_temporal_copy_spec,) * 3  # token-shift [C], WKV [H, N, N], token-shift [C]
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -320,6 +400,8 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         validate_config(config, source=f"{vllm_config.model_config.model}/config.json")
         self.config = config
         self.vllm_config = vllm_config
+        if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
+            compat.enable_cpu_mamba_state_copy()
         self.model = Rwkv7Model(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -335,29 +417,11 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         self._check_checkpoint_shapes()
-        params = dict(self.named_parameters())
-        remapper = hf_remapper(targets=set(params))
-        loaded: set[str] = set()
-        for name, tensor in remapper.apply(weights):
-            param = params[name]
-            if tuple(param.shape) != tuple(tensor.shape) and name not in _VOCAB_PADDED:
-                raise Rwkv7ConfigError(
-                    f"checkpoint tensor for {name!r} has shape {list(tensor.shape)} but config.json implies "
-                    f"{list(param.shape)}"
-                )
-            getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-            loaded.add(name)
-        report = remapper.finish(required=params)
-        if report.unused:
-            raise Rwkv7ConfigError(f"checkpoint has no tensor for parameter(s) {report.unused}")
-        return loaded
+        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
 
     def _check_checkpoint_shapes(self) -> None:
         """Compare safetensors headers with config.json before loading anything (local dirs only)."""
         check_checkpoint_dir(self.config, self.vllm_config.model_config.model)
-
-
-_VOCAB_PADDED = {"model.embeddings.weight", "lm_head.weight"}
 
 
 def _join(prefix: str, name: str) -> str:

@@ -2,7 +2,8 @@
 
 Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
 config hook, over vLLM's ``MambaModelConfig`` (which sizes the state-cache
-block): vLLM's checks run first, then ``check_startup``, which also compares
+block). ``check_startup`` runs before vLLM's hooks, because it sets the
+state-cache mode that ``MambaModelConfig`` sizes blocks for; it also compares
 config.json with the safetensors headers of a local checkpoint (a mismatch
 names the tensor).
 """
@@ -17,20 +18,24 @@ class Rwkv7UnsupportedError(ValueError):
 def unsupported_reasons(vllm_config) -> list[str]:
     reasons = []
     par = vllm_config.parallel_config
-    if par.tensor_parallel_size > 1:
+    tp = par.tensor_parallel_size
+    cfg = vllm_config.model_config.hf_config
+    heads = cfg.hidden_size // cfg.head_dim
+    if tp > 1 and heads % tp:
         reasons.append(
-            f"tensor parallelism (tensor_parallel_size={par.tensor_parallel_size}) is not supported by the RWKV-7 "
-            "adapter yet: serve with --tensor-parallel-size 1 (use data parallelism to scale out)"
+            f"tensor parallelism splits heads across ranks: {heads} heads are not divisible by "
+            f"tensor_parallel_size={tp}"
         )
     if par.pipeline_parallel_size > 1:
         reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size}) is not supported")
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching and getattr(cache, "mamba_cache_mode", "align") not in ("none", "align"):
+        reasons.append(
+            f"prefix caching with mamba_cache_mode={cache.mamba_cache_mode!r} is not supported: RWKV-7 keeps "
+            "states at block boundaries ('align', the default with --enable-prefix-caching)"
+        )
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
-    if vllm_config.cache_config.enable_prefix_caching:
-        reasons.append(
-            "prefix caching is not supported: RWKV-7 keeps one recurrent state per sequence and no per-block "
-            "checkpoints to reuse; drop --enable-prefix-caching"
-        )
     return reasons
 
 
@@ -42,13 +47,20 @@ def check_startup(vllm_config) -> None:
     reasons = unsupported_reasons(vllm_config)
     if reasons:
         raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
+    cache = vllm_config.cache_config
+    if cache.enable_prefix_caching and cache.mamba_cache_mode == "none":
+        # some engines would pick 'all' (per-token states inside the kernels) for a model that
+        # supports mamba prefix caching; RWKV-7 copies whole states at block boundaries
+        cache.mamba_cache_mode = "align"
 
 
 def install() -> None:
-    """Idempotent."""
+    """Idempotent. Runs before MambaModelConfig's hook, which sizes the state blocks for the cache mode set here."""
     from vllm.model_executor.models.config import MambaModelConfig
 
     from ascend_adapters.common.policy import install_policy
     from ascend_adapters.rwkv7 import ARCHITECTURES
 
-    install_policy(ARCHITECTURES, check_startup, base=MambaModelConfig, name="Rwkv7StartupPolicy")
+    install_policy(
+        ARCHITECTURES, check_startup, base=MambaModelConfig, name="Rwkv7StartupPolicy", before_parents=True
+    )

@@ -1,12 +1,8 @@
-"""Checkpoint layouts RWKV-7 accepts, as declarative rules for common's remap.
+"""BlinkDL ``.pth`` names (what the ``rwkv`` package loads) to the HF/flash-linear-attention
+layout, as declarative rules for common's remap: used by the offline converter only.
 
-* ``BLINKDL_TO_HF``: BlinkDL ``.pth`` names (what the ``rwkv`` package loads)
-  to the HF/flash-linear-attention layout the converter writes.
-* ``HF_TO_MODEL``: HF layout to this adapter's vLLM module names (the LoRA
-  ``Sequential`` indices become ``down``/``up``; ``x_*`` lose their ``[1, 1, C]``
-  broadcast dims).
-
-Every name either matches a rule or is reported as unmapped (an error).
+Serving loads the HF layout the vLLM way (``Rwkv7ForCausalLM.hf_to_vllm_mapper`` and
+``AutoWeightsLoader``). Every name either matches a rule or is reported as unmapped (an error).
 """
 
 from __future__ import annotations
@@ -41,16 +37,6 @@ BLINKDL_TO_HF = [
     rename(_L + r"ffn\.(key|value)\.weight$", _M + r"ffn.\2.weight"),
 ]
 
-HF_TO_MODEL = [
-    rename(r"\.([wavg])_lora\.lora\.0\.weight$", r".\1_lora.down.weight"),
-    rename(r"\.([wavg])_lora\.lora\.2\.(weight|bias)$", r".\1_lora.up.\2"),
-    rename(r"\.attn\.(x_[rwkvag])$", r".attn.\1", "flatten"),
-]
-
 
 def blinkdl_remapper(targets=None) -> Remapper:
     return Remapper(list(BLINKDL_TO_HF), targets=targets, source="BlinkDL .pth")
-
-
-def hf_remapper(targets=None) -> Remapper:
-    return Remapper(list(HF_TO_MODEL), targets=targets, source="HF/fla RWKV-7 checkpoint")
