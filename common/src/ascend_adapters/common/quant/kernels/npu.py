@@ -75,6 +75,7 @@ def w8a8_dynamic_moe(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     import torch_npu
 
@@ -110,7 +111,13 @@ def w8a8_dynamic_moe(
         group_list=group_list,
         output_dtype=x.dtype,
     )[0]
-    h = torch_npu.npu_swiglu(h)
+    if swiglu_limit is not None and swiglu_limit > 0:
+        gate, up = h.chunk(2, dim=-1)  # clamped SwiGLU: no fused NPU op, plain torch between the matmuls
+        h = (torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(
+            h.dtype
+        )
+    else:
+        h = torch_npu.npu_swiglu(h)
     hq, hs = torch_npu.npu_dynamic_quant(h)
     o = torch_npu.npu_grouped_matmul(
         x=[hq],
