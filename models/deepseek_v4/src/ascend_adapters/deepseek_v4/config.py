@@ -132,6 +132,31 @@ def max_exact_len(config) -> int | None:
     return min(int(config.sliding_window), min(rates) - 1)
 
 
+RELEASE_QUANT_ATTR = "dsv4_release_quant"
+
+
+def release_quant(config_dict: dict, source: str) -> dict | None:
+    """DeepSeek's release format (``quant_method: fp8``, FP8 e4m3 block + FP4 experts), or None.
+
+    Returns ``{"weight_block_size": [b0, b1]}``; the model dequantizes those weights at load
+    (``dequant.py``), so vLLM must not see the quantization config. Any other fp8 variant is refused.
+    """
+    q = config_dict.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None
+    checks = {"fmt": ("e4m3", None), "scale_fmt": ("ue8m0", None), "activation_scheme": ("dynamic", None)}
+    for key, allowed in checks.items():
+        if q.get(key) not in allowed:
+            raise ValueError(
+                f"{source}: quantization_config.{key}={q.get(key)!r} is not supported for DeepSeek-V4 "
+                f"(the release uses {allowed[0]!r})"
+            )
+    block = q.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{source}: quantization_config.weight_block_size={block!r} is not two positive integers")
+    return {"weight_block_size": list(block)}
+
+
 def _modelslim_marker(model, config_dict: dict) -> dict | None:
     """common's ModelSlim auto-detection rule, when common's quant layer is installed."""
     try:
@@ -157,6 +182,13 @@ def _parser_class(base):
                 config.update(hf_overrides)
             elif callable(hf_overrides):
                 config = hf_overrides(config)
+            release = release_quant(config_dict, f"{model}/config.json")
+            if release is not None:
+                # served in the serving dtype: weights are dequantized at load, vLLM sees no quantization
+                config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+                if hasattr(config, "quantization_config"):
+                    del config.quantization_config
+                setattr(config, RELEASE_QUANT_ATTR, release)
             marker = _modelslim_marker(model, config_dict)
             if marker is not None:
                 config_dict = {**config_dict, "quantization_config": marker}
@@ -232,10 +264,17 @@ def _policy_class():
             quant = model_config.quantization or getattr(hf, "quantization_config", None)
             method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
             if quant and method != "modelslim":
+                hint = (
+                    " DeepSeek's own FP8/FP4 release is recognised from its config.json and dequantized at "
+                    "load: drop --quantization."
+                    if method == "fp8"
+                    else ""
+                )
                 raise ValueError(
-                    f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
-                    f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "
-                    "(e.g. a ModelSlim W8A8 export) is not implemented for DeepSeek-V4 yet."
+                    f"{ARCH} (ascend-adapters portable path): quantization {method or quant!r} is not supported. "
+                    "Served: float checkpoints (float32/bfloat16), ModelSlim exports (W8A8_DYNAMIC / W8A8, "
+                    "detected from quant_model_description.json), and DeepSeek's release (quantization_config "
+                    f"quant_method fp8: FP8 e4m3 block-scaled linears, FP4 e2m1 experts, dequantized at load).{hint}"
                 )
             spec = getattr(vllm_config, "speculative_config", None)
             if spec is not None:

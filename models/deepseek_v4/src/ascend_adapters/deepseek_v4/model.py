@@ -49,7 +49,9 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
+from ascend_adapters.deepseek_v4.config import RELEASE_QUANT_ATTR
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled, rope_sets
+from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer
@@ -527,6 +529,9 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         remapper = build_remapper(self.config, lambda n: _owned(n, params, buffers))
+        release = getattr(self.config, RELEASE_QUANT_ATTR, None)
+        if release is not None:  # DeepSeek's FP8/FP4 release: float weights from here on
+            weights = dequantize_release(weights, tuple(release["weight_block_size"]))
         loaded: set[str] = set()
         for name, tensor in remapper.apply(weights):
             target, shard = _split_shard(name)
