@@ -10,6 +10,11 @@ export of it (common's exporter), then, in the same run:
 * transformers' ``generate`` on the float checkpoint at batch 1, same prompt and length.
 
 Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its own process.
+
+``--vs-native`` instead serves DeepSeek's published layout (``tiny.write_release``: FP8 / FP4
+weights, native config) twice in the same run: with this adapter, and with vLLM's own DeepSeek-V4
+(plugins disabled, ``VLLM_PLUGINS=none``), and reports the tokens/s ratio, or why vLLM's own model
+cannot serve the checkpoint here (its error, one try).
 On this CPU path both models run the portable kernels; the numbers say nothing about an NPU.
 """
 
@@ -60,7 +65,7 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def run_engine(model_dir: Path, prompt_len: int, gen: int) -> dict:
+def run_engine(model_dir: Path, prompt_len: int, gen: int, extra_env: dict | None = None) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # apply_model ships a function to the worker: allowed for this local, trusted benchmark process only
@@ -69,6 +74,7 @@ def run_engine(model_dir: Path, prompt_len: int, gen: int) -> dict:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "HF_HUB_OFFLINE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        **(extra_env or {}),
     }
     cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
@@ -94,10 +100,35 @@ def hf_generate(model_dir: Path, prompt_len: int, gen: int) -> dict:
     return {"tokens_per_s_batch1": (out.shape[1] - ids.shape[1]) / dt}
 
 
+def vs_native(prompt_len: int, gen: int) -> dict:
+    from ascend_adapters.deepseek_v4.tiny import make_tiny, write_release
+
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-native-") as tmp:
+        hf = make_tiny(
+            Path(tmp) / "hf", compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        )
+        release = write_release(hf, Path(tmp) / "release")
+        res = {
+            "checkpoint": "tiny.write_release (DeepSeek's published layout)",
+            "adapter": run_engine(release, prompt_len, gen),
+        }
+        try:
+            res["vllm_native"] = run_engine(release, prompt_len, gen, {"VLLM_PLUGINS": "none"})
+        except RuntimeError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            errors = [ln for ln in lines if "Error" in ln or "error" in ln]
+            res["vllm_native"] = {"served": False, "why": (errors or lines)[-1].strip()[:500]}
+    nat = res["vllm_native"]
+    if "tokens_per_s_batch1" in nat:
+        res["ratio_adapter_over_native_batch1"] = res["adapter"]["tokens_per_s_batch1"] / nat["tokens_per_s_batch1"]
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
+    ap.add_argument("--vs-native", action="store_true", help="this adapter vs vLLM's own DeepSeek-V4")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
@@ -110,6 +141,14 @@ def main() -> int:
     from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
+    if args.vs_native:
+        from ascend_adapters.common.compat import engine_version
+
+        results = {"engine": str(engine_version()), "load_average": os.getloadavg(), **vs_native(prompt_len, gen)}
+        print(json.dumps(results, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:
         float_dir = make_tiny(Path(tmp) / "float")
         w8a8_dir = export_w8a8(float_dir, Path(tmp) / "w8a8", W8A8_PLAN)

@@ -35,4 +35,8 @@ def test_concurrency_table_shrinks_with_length():
     w = M.weight_bytes_per_device(M.flash_config(), 16, 16)
     for r in rows:  # the reported concurrency is the largest count that fits
         free = (64 << 30) - w
-        assert r["concurrency"] * r["state_bytes_per_sequence"] <= free < (r["concurrency"] + 1) * r["state_bytes_per_sequence"]
+        assert (
+            r["concurrency"] * r["state_bytes_per_sequence"]
+            <= free
+            < (r["concurrency"] + 1) * r["state_bytes_per_sequence"]
+        )

@@ -104,7 +104,9 @@ def test_expert_parallel_2_w8a8_dynamic_experts(tmp_path, evidence_root):
         f"export_w8a8({float_dir}, plan={EXPERTS_ONLY_PLAN}); vllm.LLM({export}, float32, tensor_parallel_size=2, "
         "enable_expert_parallel=True, chunked prefill); reference transformers with the export's int8 experts"
     )
-    res = vllm_logits(export, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus())
+    res = vllm_logits(
+        export, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus()
+    )
     rep = compare(res[0], reference_fn(w8a8_reference(float_dir, export)))
     float_rep = compare(res[0], reference_fn(hf_model(float_dir)))
     rec.metric("max_abs_diff_vs_int8_reference", rep.max_abs_diff)
@@ -124,7 +126,9 @@ def test_expert_parallel_2_float(tiny, evidence_root):
     ps = prompts((9, 61), seed=15)
     rec = EvidenceRecord(model="deepseek_v4", gate="expert_parallel_2_float")
     rec.command(f"vllm.LLM({model_dir}, float32, tensor_parallel_size=2, enable_expert_parallel=True, chunked prefill)")
-    res = vllm_logits(model_dir, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus())
+    res = vllm_logits(
+        model_dir, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus()
+    )
     rep = compare(res[0], ref)
     rec.metric("max_abs_diff_vs_transformers", rep.max_abs_diff)
     ok = rec.check("EP=2 float logits within 1e-3 of transformers", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}")

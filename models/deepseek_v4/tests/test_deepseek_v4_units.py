@@ -99,7 +99,7 @@ def test_remap_transformers_saved_and_native_names(dirs):
     assert "model.layers.2.self_attn.compressor.position_bias" in mapped
     assert "model.layers.0.mlp.gate.tid2eid" in mapped
     assert "model.layers.1.self_attn.wqkv_a.weight#1" in mapped
-    assert "model.layers.3.mlp.experts.w13#expert:7:up" in mapped
+    assert "model.layers.3.mlp.experts.routed_experts.w13_weight#expert:7:w3" in mapped
     assert "model.hc_head.hc_fn" in mapped and "lm_head.weight" in mapped
 
     ncfg = load_transformers_config(dirs["native"])

@@ -51,7 +51,9 @@ def dequant_fp4(weight: torch.Tensor, scale: torch.Tensor, name: str) -> torch.T
     return E2M1[codes] * scale.float().repeat_interleave(FP4_GROUP, 1)
 
 
-def dequantize_release(weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]) -> Iterator[tuple[str, torch.Tensor]]:
+def dequantize_release(
+    weights: Iterable[tuple[str, torch.Tensor]], block: tuple[int, int]
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Pair every ``X.weight`` with its ``X.scale`` (any order across files) and yield float ``X.weight``."""
     pending_w: dict[str, torch.Tensor] = {}
     pending_s: dict[str, torch.Tensor] = {}

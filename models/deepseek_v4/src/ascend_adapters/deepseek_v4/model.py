@@ -49,8 +49,14 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
-from ascend_adapters.deepseek_v4.config import RELEASE_QUANT_ATTR
-from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled, rope_sets
+from ascend_adapters.deepseek_v4.config import (
+    LAYER_CSA,
+    LAYER_HCA,
+    LAYER_SLIDING,
+    RELEASE_QUANT_ATTR,
+    compressed_enabled,
+    rope_sets,
+)
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE

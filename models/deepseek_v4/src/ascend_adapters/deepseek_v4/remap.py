@@ -76,9 +76,18 @@ def hf_to_vllm_rules() -> list:
         rename(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj."),
         rename(rf"\.shared_experts\.gate_proj\.{S}$", r".shared_experts.gate_up_proj.\1#0"),
         rename(rf"\.shared_experts\.up_proj\.{S}$", r".shared_experts.gate_up_proj.\1#1"),
-        rename(r"\.experts\.(\d+)\.gate_proj\.(weight|weight_scale|weight_offset)$", r".experts.routed_experts.w13_\2#expert:\1:w1"),
-        rename(r"\.experts\.(\d+)\.up_proj\.(weight|weight_scale|weight_offset)$", r".experts.routed_experts.w13_\2#expert:\1:w3"),
-        rename(r"\.experts\.(\d+)\.down_proj\.(weight|weight_scale|weight_offset)$", r".experts.routed_experts.w2_\2#expert:\1:w2"),
+        rename(
+            r"\.experts\.(\d+)\.gate_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w13_\2#expert:\1:w1",
+        ),
+        rename(
+            r"\.experts\.(\d+)\.up_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w13_\2#expert:\1:w3",
+        ),
+        rename(
+            r"\.experts\.(\d+)\.down_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w2_\2#expert:\1:w2",
+        ),
         rename(r"\.experts\.gate_up_proj$", ".experts.routed_experts.w13_weight#expert:all:w13"),
         rename(r"\.experts\.down_proj$", ".experts.routed_experts.w2_weight#expert:all:w2"),
     ]

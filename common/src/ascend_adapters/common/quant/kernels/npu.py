@@ -113,9 +113,7 @@ def w8a8_dynamic_moe(
     )[0]
     if swiglu_limit is not None and swiglu_limit > 0:
         gate, up = h.chunk(2, dim=-1)  # clamped SwiGLU: no fused NPU op, plain torch between the matmuls
-        h = (torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(
-            h.dtype
-        )
+        h = (torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(h.dtype)
     else:
         h = torch_npu.npu_swiglu(h)
     hq, hs = torch_npu.npu_dynamic_quant(h)
