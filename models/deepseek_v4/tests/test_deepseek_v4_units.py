@@ -170,3 +170,24 @@ def test_yarn_rope_matches_transformers():
         inv, scale = K.rope_inv_freq(cfg.rope_parameters[label], cfg.head_dim, cfg.max_position_embeddings)
         assert torch.allclose(inv, getattr(rot, f"{label}_inv_freq"), rtol=1e-6)
         assert scale == getattr(rot, f"{label}_attention_scaling")
+
+
+def test_release_quantization_config_is_read_or_refused_naming_the_field():
+    from ascend_adapters.deepseek_v4.config import release_quant
+
+    q = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    assert release_quant({"quantization_config": q}, "cfg") == {"weight_block_size": [128, 128]}
+    assert release_quant({"quantization_config": {"quant_method": "modelslim"}}, "cfg") is None
+    with pytest.raises(ValueError, match=r"quantization_config\.fmt='e5m2'"):
+        release_quant({"quantization_config": {**q, "fmt": "e5m2"}}, "cfg")
+
+
+def test_release_weight_without_scale_is_named():
+    from ascend_adapters.deepseek_v4.dequant import dequantize_release
+
+    w = torch.zeros(4, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_a\.weight: .* without its layers\.0\.attn\.wq_a\.scale"):
+        list(dequantize_release([("layers.0.attn.wq_a.weight", w)], (128, 128)))
+    s = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.scale: no layers\.0\.attn\.wkv\.weight"):
+        list(dequantize_release([("layers.0.attn.wkv.scale", s)], (128, 128)))
