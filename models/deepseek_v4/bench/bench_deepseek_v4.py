@@ -13,7 +13,8 @@ Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its 
 
 ``--vs-native`` instead serves DeepSeek's published layout (``tiny.write_release``: FP8 / FP4
 weights, native config) twice in the same run: with this adapter, and with vLLM's own DeepSeek-V4
-(plugins disabled, ``VLLM_PLUGINS=none``), and reports the tokens/s ratio, or why vLLM's own model
+(plugins disabled, ``VLLM_PLUGINS=none``), both in bfloat16 (vLLM's own FP8 method refuses
+float32), and reports the tokens/s ratio, or why vLLM's own model
 cannot serve the checkpoint here (its error, one try).
 On this CPU path both models run the portable kernels; the numbers say nothing about an NPU.
 """
@@ -37,14 +38,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 512, (n,), generator=g).tolist()
 
 
-def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
+def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "float32") -> None:
     from vllm import LLM, SamplingParams
 
     from ascend_adapters.deepseek_v4.model import resident_weight_bytes
 
     llm = LLM(
         model=model_dir,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         max_model_len=prompt_len + gen + 8,
         kv_cache_memory_bytes=64 << 20,
@@ -65,7 +66,9 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def run_engine(model_dir: Path, prompt_len: int, gen: int, extra_env: dict | None = None) -> dict:
+def run_engine(
+    model_dir: Path, prompt_len: int, gen: int, extra_env: dict | None = None, dtype: str = "float32"
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # apply_model ships a function to the worker: allowed for this local, trusted benchmark process only
@@ -76,10 +79,10 @@ def run_engine(model_dir: Path, prompt_len: int, gen: int, extra_env: dict | Non
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
         **(extra_env or {}),
     }
-    cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out]
+    cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out, "--dtype", dtype]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"engine for {model_dir} failed:\n" + "\n".join(proc.stderr.splitlines()[-40:]))
+        raise RuntimeError(f"engine for {model_dir} failed:\n" + "\n".join(proc.stderr.splitlines()[-300:]))
     res = json.loads(Path(out).read_text())
     os.unlink(out)
     return res
@@ -110,14 +113,20 @@ def vs_native(prompt_len: int, gen: int) -> dict:
         release = write_release(hf, Path(tmp) / "release")
         res = {
             "checkpoint": "tiny.write_release (DeepSeek's published layout)",
-            "adapter": run_engine(release, prompt_len, gen),
+            "dtype": "bfloat16",
+            "adapter": run_engine(release, prompt_len, gen, dtype="bfloat16"),
         }
         try:
-            res["vllm_native"] = run_engine(release, prompt_len, gen, {"VLLM_PLUGINS": "none"})
+            res["vllm_native"] = run_engine(release, prompt_len, gen, {"VLLM_PLUGINS": "none"}, dtype="bfloat16")
         except RuntimeError as exc:
             lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-            errors = [ln for ln in lines if "Error" in ln or "error" in ln]
-            res["vllm_native"] = {"served": False, "why": (errors or lines)[-1].strip()[:500]}
+            skip = ("errors.pydantic", "Engine core initialization failed", "Traceback", "Model Runner V2")
+            errors = [
+                ln.split("] ", 1)[-1]
+                for ln in lines
+                if ("Error:" in ln or " requires " in ln) and not any(k in ln for k in skip)
+            ]
+            res["vllm_native"] = {"served": False, "why": " ".join(e.strip() for e in (errors or lines[-1:]))[:800]}
     nat = res["vllm_native"]
     if "tokens_per_s_batch1" in nat:
         res["ratio_adapter_over_native_batch1"] = res["adapter"]["tokens_per_s_batch1"] / nat["tokens_per_s_batch1"]
@@ -130,10 +139,11 @@ def main() -> int:
     ap.add_argument("--out", help="write the numbers as JSON here")
     ap.add_argument("--vs-native", action="store_true", help="this adapter vs vLLM's own DeepSeek-V4")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         model_dir, prompt_len, gen, out = args.worker
-        worker(model_dir, int(prompt_len), int(gen), out)
+        worker(model_dir, int(prompt_len), int(gen), out, args.dtype)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
