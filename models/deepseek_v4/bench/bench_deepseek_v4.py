@@ -82,7 +82,9 @@ def run_engine(
     cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out, "--dtype", dtype]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"engine for {model_dir} failed:\n" + "\n".join(proc.stderr.splitlines()[-300:]))
+        raise RuntimeError(
+            f"engine for {model_dir} failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-600:])
+        )
     res = json.loads(Path(out).read_text())
     os.unlink(out)
     return res
