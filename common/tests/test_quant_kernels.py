@@ -292,6 +292,36 @@ def test_moe_router_weight_on_input_and_empty_batch():
     assert empty.shape == (0, 64)
 
 
+def test_moe_swiglu_limit_clamps_gate_and_up():
+    """Clamped SwiGLU (DeepSeek-V4's swiglu_limit): silu(min(gate, L)) * clamp(up, -L, L), from the equations."""
+    g = _gen(9)
+    e, h, i, t, k, limit = 4, 64, 32, 11, 2, 0.05
+    w13, s13, w2, s2 = _moe_weights(g, e, h, i)
+    x = torch.randn(t, h, generator=g) * 4
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    topk_w = torch.rand(t, k, generator=g)
+
+    def dyn(v, w, s):
+        sc = v.abs().max() / 127.0
+        q = torch.round(v / sc) if sc > 0 else torch.zeros_like(v)
+        return (q.double() @ w.double().t()) * (sc.double() * s.double())
+
+    ref = torch.zeros(t, h, dtype=torch.float64)
+    clamped = 0
+    for tok in range(t):
+        for j in range(k):
+            ex = int(ids[tok, j])
+            gate, up = dyn(x[tok].float(), w13[ex], s13[ex]).float().chunk(2)
+            clamped += int((gate > limit).sum() + (up.abs() > limit).sum())
+            a = torch.nn.functional.silu(gate.clamp(max=limit)) * up.clamp(-limit, limit)
+            ref[tok] += dyn(a, w2[ex], s2[ex]) * float(topk_w[tok, j])
+    assert clamped > 0  # the limit bites on this input
+    y = pk.w8a8_dynamic_moe(x, w13, s13, w2, s2, topk_w, ids, swiglu_limit=limit)
+    _assert_moe_close(y, ref)
+    unclamped = pk.w8a8_dynamic_moe(x, w13, s13, w2, s2, topk_w, ids)
+    assert (unclamped.double() - ref).abs().max() > 10 * 2e-3 * ref.abs().max()
+
+
 def test_kernel_ops_have_portable_and_npu_implementations():
     ops = dispatch.registered_ops()
     for name in OPS:

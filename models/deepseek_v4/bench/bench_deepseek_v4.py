@@ -10,6 +10,12 @@ export of it (common's exporter), then, in the same run:
 * transformers' ``generate`` on the float checkpoint at batch 1, same prompt and length.
 
 Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its own process.
+
+``--vs-native`` instead serves DeepSeek's published layout (``tiny.write_release``: FP8 / FP4
+weights, native config) twice in the same run: with this adapter, and with vLLM's own DeepSeek-V4
+(plugins disabled, ``VLLM_PLUGINS=none``), both in bfloat16 (vLLM's own FP8 method refuses
+float32), and reports the tokens/s ratio, or why vLLM's own model
+cannot serve the checkpoint here (its error, one try).
 On this CPU path both models run the portable kernels; the numbers say nothing about an NPU.
 """
 
@@ -32,14 +38,14 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 512, (n,), generator=g).tolist()
 
 
-def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
+def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "float32") -> None:
     from vllm import LLM, SamplingParams
 
     from ascend_adapters.deepseek_v4.model import resident_weight_bytes
 
     llm = LLM(
         model=model_dir,
-        dtype="float32",
+        dtype=dtype,
         enforce_eager=True,
         max_model_len=prompt_len + gen + 8,
         kv_cache_memory_bytes=64 << 20,
@@ -60,7 +66,9 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str) -> None:
     Path(out).write_text(json.dumps(res))
 
 
-def run_engine(model_dir: Path, prompt_len: int, gen: int) -> dict:
+def run_engine(
+    model_dir: Path, prompt_len: int, gen: int, extra_env: dict | None = None, dtype: str = "float32"
+) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
     # apply_model ships a function to the worker: allowed for this local, trusted benchmark process only
@@ -69,11 +77,14 @@ def run_engine(model_dir: Path, prompt_len: int, gen: int) -> dict:
         "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
         "HF_HUB_OFFLINE": "1",
         "VLLM_ALLOW_INSECURE_SERIALIZATION": "1",
+        **(extra_env or {}),
     }
-    cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out]
+    cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out, "--dtype", dtype]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
-        raise RuntimeError(f"engine for {model_dir} failed:\n" + "\n".join(proc.stderr.splitlines()[-40:]))
+        raise RuntimeError(
+            f"engine for {model_dir} failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-600:])
+        )
     res = json.loads(Path(out).read_text())
     os.unlink(out)
     return res
@@ -94,15 +105,47 @@ def hf_generate(model_dir: Path, prompt_len: int, gen: int) -> dict:
     return {"tokens_per_s_batch1": (out.shape[1] - ids.shape[1]) / dt}
 
 
+def vs_native(prompt_len: int, gen: int) -> dict:
+    from ascend_adapters.deepseek_v4.tiny import make_tiny, write_release
+
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-native-") as tmp:
+        hf = make_tiny(
+            Path(tmp) / "hf", compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+        )
+        release = write_release(hf, Path(tmp) / "release")
+        res = {
+            "checkpoint": "tiny.write_release (DeepSeek's published layout)",
+            "dtype": "bfloat16",
+            "adapter": run_engine(release, prompt_len, gen, dtype="bfloat16"),
+        }
+        try:
+            res["vllm_native"] = run_engine(release, prompt_len, gen, {"VLLM_PLUGINS": "none"}, dtype="bfloat16")
+        except RuntimeError as exc:
+            lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+            skip = ("errors.pydantic", "Engine core initialization failed", "Traceback", "Model Runner V2")
+            errors = [
+                ln.split("] ", 1)[-1]
+                for ln in lines
+                if ("Error:" in ln or " requires " in ln) and not any(k in ln for k in skip)
+            ]
+            res["vllm_native"] = {"served": False, "why": " ".join(e.strip() for e in (errors or lines[-1:]))[:800]}
+    nat = res["vllm_native"]
+    if "tokens_per_s_batch1" in nat:
+        res["ratio_adapter_over_native_batch1"] = res["adapter"]["tokens_per_s_batch1"] / nat["tokens_per_s_batch1"]
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
+    ap.add_argument("--vs-native", action="store_true", help="this adapter vs vLLM's own DeepSeek-V4")
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
+    ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         model_dir, prompt_len, gen, out = args.worker
-        worker(model_dir, int(prompt_len), int(gen), out)
+        worker(model_dir, int(prompt_len), int(gen), out, args.dtype)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -110,6 +153,14 @@ def main() -> int:
     from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
+    if args.vs_native:
+        from ascend_adapters.common.compat import engine_version
+
+        results = {"engine": str(engine_version()), "load_average": os.getloadavg(), **vs_native(prompt_len, gen)}
+        print(json.dumps(results, indent=2))
+        if args.out:
+            Path(args.out).write_text(json.dumps(results, indent=2))
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:
         float_dir = make_tiny(Path(tmp) / "float")
         w8a8_dir = export_w8a8(float_dir, Path(tmp) / "w8a8", W8A8_PLAN)

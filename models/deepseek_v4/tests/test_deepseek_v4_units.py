@@ -99,7 +99,7 @@ def test_remap_transformers_saved_and_native_names(dirs):
     assert "model.layers.2.self_attn.compressor.position_bias" in mapped
     assert "model.layers.0.mlp.gate.tid2eid" in mapped
     assert "model.layers.1.self_attn.wqkv_a.weight#1" in mapped
-    assert "model.layers.3.mlp.experts.w13#expert:7:up" in mapped
+    assert "model.layers.3.mlp.experts.routed_experts.w13_weight#expert:7:w3" in mapped
     assert "model.hc_head.hc_fn" in mapped and "lm_head.weight" in mapped
 
     ncfg = load_transformers_config(dirs["native"])
@@ -199,3 +199,24 @@ def test_compressed_switch_reads_common_flags(monkeypatch):
     monkeypatch.setenv(COMPRESSED_ENV, "window")  # was silently "on"
     with pytest.raises(FlagError, match=COMPRESSED_ENV):
         compressed_enabled()
+
+
+def test_release_quantization_config_is_read_or_refused_naming_the_field():
+    from ascend_adapters.deepseek_v4.config import release_quant
+
+    q = {"quant_method": "fp8", "fmt": "e4m3", "scale_fmt": "ue8m0", "weight_block_size": [128, 128]}
+    assert release_quant({"quantization_config": q}, "cfg") == {"weight_block_size": [128, 128]}
+    assert release_quant({"quantization_config": {"quant_method": "modelslim"}}, "cfg") is None
+    with pytest.raises(ValueError, match=r"quantization_config\.fmt='e5m2'"):
+        release_quant({"quantization_config": {**q, "fmt": "e5m2"}}, "cfg")
+
+
+def test_release_weight_without_scale_is_named():
+    from ascend_adapters.deepseek_v4.dequant import dequantize_release
+
+    w = torch.zeros(4, 8).to(torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wq_a\.weight: .* without its layers\.0\.attn\.wq_a\.scale"):
+        list(dequantize_release([("layers.0.attn.wq_a.weight", w)], (128, 128)))
+    s = torch.ones(1, 1).to(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.scale: no layers\.0\.attn\.wkv\.weight"):
+        list(dequantize_release([("layers.0.attn.wkv.scale", s)], (128, 128)))

@@ -31,6 +31,15 @@ def _activation_name(layer_or_moe) -> str:
     return str(getattr(act, "value", act)).lower()
 
 
+def swiglu_limit(layer, moe=None) -> float | None:
+    """The layer's clamped-SwiGLU limit (``swiglu_limit`` of FusedMoE / its config), or None."""
+    for owner in (layer, moe):
+        limit = getattr(owner, "swiglu_limit", None)
+        if limit is not None:
+            return float(limit)
+    return None
+
+
 class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
     """W8A8_DYNAMIC routed experts (per-channel weight scales, per-token dynamic activation)."""
 
@@ -153,4 +162,5 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
             expert_map=layer.expert_map,
             activation=_activation_name(layer),
             apply_router_weight_on_input=bool(getattr(layer, "apply_router_weight_on_input", False)),
+            swiglu_limit=swiglu_limit(layer, self.moe),
         )

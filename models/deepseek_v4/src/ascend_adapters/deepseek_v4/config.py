@@ -131,6 +131,31 @@ def max_exact_len(config) -> int | None:
     return min(int(config.sliding_window), min(rates) - 1)
 
 
+RELEASE_QUANT_ATTR = "dsv4_release_quant"
+
+
+def release_quant(config_dict: dict, source: str) -> dict | None:
+    """DeepSeek's release format (``quant_method: fp8``, FP8 e4m3 block + FP4 experts), or None.
+
+    Returns ``{"weight_block_size": [b0, b1]}``; the model dequantizes those weights at load
+    (``dequant.py``), so vLLM must not see the quantization config. Any other fp8 variant is refused.
+    """
+    q = config_dict.get("quantization_config")
+    if not isinstance(q, dict) or q.get("quant_method") != "fp8":
+        return None
+    checks = {"fmt": ("e4m3", None), "scale_fmt": ("ue8m0", None), "activation_scheme": ("dynamic", None)}
+    for key, allowed in checks.items():
+        if q.get(key) not in allowed:
+            raise ValueError(
+                f"{source}: quantization_config.{key}={q.get(key)!r} is not supported for DeepSeek-V4 "
+                f"(the release uses {allowed[0]!r})"
+            )
+    block = q.get("weight_block_size") or [128, 128]
+    if not (isinstance(block, list) and len(block) == 2 and all(isinstance(b, int) and b > 0 for b in block)):
+        raise ValueError(f"{source}: quantization_config.weight_block_size={block!r} is not two positive integers")
+    return {"weight_block_size": list(block)}
+
+
 def _modelslim_marker(model, config_dict: dict) -> dict | None:
     """common's ModelSlim auto-detection rule, when common's quant layer is installed."""
     try:
@@ -156,6 +181,13 @@ def _parser_class(base):
                 config.update(hf_overrides)
             elif callable(hf_overrides):
                 config = hf_overrides(config)
+            release = release_quant(config_dict, f"{model}/config.json")
+            if release is not None:
+                # served in the serving dtype: weights are dequantized at load, vLLM sees no quantization
+                config_dict = {k: v for k, v in config_dict.items() if k != "quantization_config"}
+                if hasattr(config, "quantization_config"):
+                    del config.quantization_config
+                setattr(config, RELEASE_QUANT_ATTR, release)
             marker = _modelslim_marker(model, config_dict)
             if marker is not None:
                 config_dict = {**config_dict, "quantization_config": marker}

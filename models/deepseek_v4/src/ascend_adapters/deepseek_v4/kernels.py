@@ -213,28 +213,45 @@ def moe_experts(
     return _grouped_experts(x, weights, ids, w13.shape[0], expert)
 
 
-@dispatch.portable("dsv4.moe_experts_w8a8_dynamic")
-def moe_experts_w8a8_dynamic(
+@dispatch.portable("dsv4.fused_experts")
+def fused_experts(
     x: torch.Tensor,
-    weights: torch.Tensor,
-    ids: torch.Tensor,
     w13: torch.Tensor,
-    w13_scale: torch.Tensor,
     w2: torch.Tensor,
-    w2_scale: torch.Tensor,
-    limit: float | None,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    *,
+    expert_map: torch.Tensor | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
-    """ModelSlim W8A8_DYNAMIC routed experts: int8 weights with per-channel scales, per-token int8
-    activations (common's ``modelslim.w8a8_dynamic_linear``) for both expert projections."""
-    from ascend_adapters.common.quant import kernels as _modelslim_kernels  # noqa: F401  (registers the op)
+    """Float routed experts of vLLM's fused-MoE layer: this rank's ``w13 [E_local, 2I, H]`` / ``w2``.
 
-    lin = dispatch.op("modelslim.w8a8_dynamic_linear")
+    ``topk_ids`` are global ids; ``expert_map`` (global -> local, -1 elsewhere) drops the routes
+    of experts on other ranks. Returns this rank's partial sum (vLLM's layer reduces across ranks).
+    """
+    from ascend_adapters.common.quant.kernels.portable import local_routes
 
-    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-        g, u = lin(xs, w13[e], w13_scale[e].reshape(-1)).chunk(2, dim=-1)
-        return lin(clipped_swiglu(g, u, limit), w2[e], w2_scale[e].reshape(-1))
-
-    return _grouped_experts(x, weights, ids, w13.shape[0], expert)
+    local = local_routes(topk_ids, w13.shape[0], expert_map)
+    out = torch.zeros_like(x)
+    flat, tok_w = local.reshape(-1), topk_weights.float().reshape(-1)
+    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(local.shape[1])
+    sel = flat >= 0
+    flat, tok, tok_w = flat[sel], tok[sel], tok_w[sel]
+    if flat.numel() == 0:
+        return out
+    order = torch.argsort(flat, stable=True)
+    flat, tok, tok_w = flat[order], tok[order], tok_w[order]
+    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
+    start = 0
+    for e, c in enumerate(counts):
+        if c == 0:
+            continue
+        idx = tok[start : start + c]
+        g, u = F.linear(x[idx], w13[e]).chunk(2, dim=-1)
+        y = F.linear(clipped_swiglu(g, u, limit), w2[e])
+        out.index_add_(0, idx, y * tok_w[start : start + c, None].to(x.dtype))
+        start += c
+    return out
 
 
 # ---------------------------------------------------------------- attention

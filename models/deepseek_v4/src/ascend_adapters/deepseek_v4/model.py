@@ -30,8 +30,15 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import (
+    ColumnParallelLinear,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -42,8 +49,17 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
-from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled, rope_sets
+from ascend_adapters.deepseek_v4.config import (
+    LAYER_CSA,
+    LAYER_HCA,
+    LAYER_SLIDING,
+    RELEASE_QUANT_ATTR,
+    compressed_enabled,
+    rope_sets,
+)
+from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
+from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer
 
 op = dispatch.op
@@ -77,14 +93,17 @@ def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
     )
 
 
-class _Norm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
+def _sharded_loader(dim: int):
+    """Weight loader for a parameter split evenly along ``dim`` across the tensor-parallel ranks."""
 
-    def forward(self, x):
-        return op("dsv4.rms_norm")(x, self.weight, self.eps)
+    def loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
+        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
+        size = param.shape[dim]
+        if loaded.shape[dim] != size * tp:
+            raise ValueError(f"shape {tuple(loaded.shape)} does not split into {tp} x {tuple(param.shape)}")
+        param.data.copy_(loaded.narrow(dim, rank * size, size))
+
+    return loader
 
 
 class _Rope:
@@ -124,7 +143,7 @@ class DeepseekV4Compressor(nn.Module):
             return_bias=False,
         )
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
-        self.kv_norm = _Norm(head_dim, config.rms_norm_eps)
+        self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
     def pool(self, x: torch.Tensor, first_pos: int, rope: _Rope, has_prev: bool) -> torch.Tensor:
         """Entries for the whole windows in ``x`` (rows from ``first_pos``, a window start).
@@ -177,11 +196,20 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         self.config = config
         self.prefix = prefix
         self.layer_type = config.layer_types[layer_idx] if compressed_enabled() else LAYER_SLIDING
-        self.n_heads, self.head_dim = config.num_attention_heads, config.head_dim
+        tp = get_tensor_model_parallel_world_size()
+        if config.num_attention_heads % tp or config.o_groups % tp:
+            raise ValueError(
+                f"DeepSeek-V4: tensor_parallel_size={tp} must divide num_attention_heads="
+                f"{config.num_attention_heads} and o_groups={config.o_groups} (query heads and output "
+                "groups are split across ranks)"
+            )
+        # Query heads and output groups are split across ranks; the single shared K=V head, the
+        # compressors and the indexer are replicated (each rank keeps the same attention state).
+        self.n_heads, self.head_dim = config.num_attention_heads // tp, config.head_dim
         self.window = config.sliding_window
         self.scale = self.head_dim**-0.5
         self.eps = config.rms_norm_eps
-        self.o_groups = config.o_groups
+        self.o_groups = config.o_groups // tp
         h = config.hidden_size
         # wq_a and wkv share their input: one fused projection (also how ModelSlim ships them).
         self.wqkv_a = MergedColumnParallelLinear(
@@ -193,31 +221,36 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             return_bias=False,
             disable_tp=True,
         )
-        self.q_a_norm = _Norm(config.q_lora_rank, self.eps)
-        self.q_b_proj = ReplicatedLinear(
+        self.q_a_norm = RMSNorm(config.q_lora_rank, self.eps)
+        self.q_b_proj = ColumnParallelLinear(
             config.q_lora_rank,
-            self.n_heads * self.head_dim,
+            config.num_attention_heads * self.head_dim,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.q_b_proj",
             return_bias=False,
         )
-        self.kv_norm = _Norm(self.head_dim, self.eps)
-        # Grouped (block-diagonal) projection: a plain parameter, read by the grouped kernel.
+        self.kv_norm = RMSNorm(self.head_dim, self.eps)
+        # Grouped (block-diagonal) projection: a plain parameter read by the grouped kernel, this
+        # rank's groups only (rows of group g are g*o_lora .. (g+1)*o_lora).
         self.o_a_proj = nn.Module()
         self.o_a_proj.weight = nn.Parameter(
             torch.empty(self.o_groups * config.o_lora_rank, self.n_heads * self.head_dim // self.o_groups),
             requires_grad=False,
         )
-        self.o_b_proj = ReplicatedLinear(
-            self.o_groups * config.o_lora_rank,
+        self.o_a_proj.weight.weight_loader = _sharded_loader(0)
+        self.o_b_proj = RowParallelLinear(
+            config.o_groups * config.o_lora_rank,
             h,
             bias=False,
             quant_config=quant_config,
             prefix=f"{prefix}.o_b_proj",
             return_bias=False,
+            input_is_parallel=True,
+            reduce_results=True,
         )
-        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
+        self.sinks.weight_loader = _sharded_loader(0)
         self.compressor = None
         self.rate = None
         if self.layer_type == LAYER_CSA:
@@ -373,113 +406,6 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         return self.o_b_proj(o)
 
 
-# ---------------------------------------------------------------- MoE
-def _experts_quant_type(quant_config, prefix: str, n_experts: int) -> str:
-    """FLOAT or W8A8_DYNAMIC for a layer's routed experts (all must agree), from a ModelSlim description."""
-    desc = getattr(quant_config, "description", None)
-    if desc is None:
-        return "FLOAT"
-    kinds = {}
-    for e in range(n_experts):
-        for proj in ("gate_proj", "up_proj", "down_proj"):
-            kinds.setdefault(desc.layer_type(f"{prefix}.experts.{e}.{proj}"), f"{prefix}.experts.{e}.{proj}.weight")
-    if len(kinds) > 1:
-        raise ValueError(
-            f"{desc.source}: the routed experts of {prefix} have different quantization types "
-            f"({', '.join(f'{v}={k}' for k, v in kinds.items())}); one MoE layer needs one type"
-        )
-    kind = next(iter(kinds))
-    if kind not in ("FLOAT", "W8A8_DYNAMIC"):
-        raise ValueError(
-            f"{desc.source}: {kinds[kind]} is {kind}; DeepSeek-V4 routed experts support W8A8_DYNAMIC or FLOAT only"
-        )
-    return kind
-
-
-class DeepseekV4MoE(nn.Module):
-    """Hash-routed (tid2eid) or top-k (sqrtsoftplus + bias) routed experts + shared expert, clipped SwiGLU."""
-
-    def __init__(self, config, layer_idx: int, quant_config=None, prefix: str = ""):
-        super().__init__()
-        self.is_hash = config.mlp_layer_types[layer_idx] == "hash_moe"
-        self.top_k = config.num_experts_per_tok
-        self.n_experts = config.n_routed_experts
-        self.scoring = config.scoring_func
-        self.scaling = config.routed_scaling_factor
-        self.normalize = bool(getattr(config, "norm_topk_prob", True))
-        self.limit = config.swiglu_limit
-        h, inter = config.hidden_size, config.moe_intermediate_size
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(self.n_experts, h))
-        if self.is_hash:
-            self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
-        else:
-            self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts), requires_grad=False)
-        self.prefix = prefix
-        self.quantized = _experts_quant_type(quant_config, prefix, self.n_experts) == "W8A8_DYNAMIC"
-        wdtype = torch.int8 if self.quantized else None
-        self.experts = nn.Module()
-        self.experts.w13 = nn.Parameter(torch.empty(self.n_experts, 2 * inter, h, dtype=wdtype), requires_grad=False)
-        self.experts.w2 = nn.Parameter(torch.empty(self.n_experts, h, inter, dtype=wdtype), requires_grad=False)
-        if self.quantized:  # ModelSlim W8A8_DYNAMIC: per-output-channel scales, symmetric (offsets zero)
-            for name, rows in (("w13", 2 * inter), ("w2", h)):
-                for comp in ("scale", "offset"):
-                    t = torch.full((self.n_experts, rows, 1), float("nan"))
-                    setattr(self.experts, f"{name}_{comp}", nn.Parameter(t, requires_grad=False))
-        shared = inter * max(1, config.n_shared_experts)
-        self.shared_experts = nn.Module()
-        self.shared_experts.gate_up_proj = MergedColumnParallelLinear(
-            h,
-            [shared, shared],
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.shared_experts.gate_up_proj",
-            return_bias=False,
-            disable_tp=True,
-        )
-        self.shared_experts.down_proj = ReplicatedLinear(
-            shared,
-            h,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.shared_experts.down_proj",
-            return_bias=False,
-        )
-
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
-        if self.is_hash:
-            if input_ids is None:
-                raise ValueError("hash-routed MoE layers need token ids (inputs_embeds alone is not supported)")
-            w, ids = op("dsv4.route")(
-                logits,
-                top_k=self.top_k,
-                scoring=self.scoring,
-                scaling=self.scaling,
-                normalize=self.normalize,
-                hash_ids=self.gate.tid2eid[input_ids],
-            )
-        else:
-            w, ids = op("dsv4.route")(
-                logits,
-                top_k=self.top_k,
-                scoring=self.scoring,
-                scaling=self.scaling,
-                normalize=self.normalize,
-                bias=self.gate.e_score_correction_bias,
-            )
-        if self.quantized:
-            routed = op("dsv4.moe_experts_w8a8_dynamic")(
-                x, w, ids, self.experts.w13, self.experts.w13_scale, self.experts.w2, self.experts.w2_scale, self.limit
-            )
-        else:
-            routed = op("dsv4.moe_experts")(x, w, ids, self.experts.w13, self.experts.w2, self.limit)
-        g, u = self.shared_experts.gate_up_proj(x).chunk(2, dim=-1)
-        from ascend_adapters.deepseek_v4.kernels import clipped_swiglu
-
-        return routed + self.shared_experts.down_proj(clipped_swiglu(g, u, self.limit))
-
-
 # ---------------------------------------------------------------- decoder
 class _HC(nn.Module):
     def __init__(self, config):
@@ -507,8 +433,8 @@ class DeepseekV4DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = DeepseekV4Attention(config, layer_idx, quant_config, f"{prefix}.self_attn")
         self.mlp = DeepseekV4MoE(config, layer_idx, quant_config, f"{prefix}.mlp")
-        self.input_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = _HC(config)
         self.ffn_hc = _HC(config)
 
@@ -537,7 +463,7 @@ class DeepseekV4Model(nn.Module):
                 for i in range(config.num_hidden_layers)
             ]
         )
-        self.norm = _Norm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = nn.Module()
         self.hc_head.hc_fn = nn.Parameter(torch.empty(config.hc_mult, config.hc_mult * config.hidden_size))
         self.hc_head.hc_base = nn.Parameter(torch.zeros(config.hc_mult))
@@ -609,6 +535,9 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         params = dict(self.named_parameters())
         buffers = dict(self.named_buffers())
         remapper = build_remapper(self.config, lambda n: _owned(n, params, buffers))
+        release = getattr(self.config, RELEASE_QUANT_ATTR, None)
+        if release is not None:  # DeepSeek's FP8/FP4 release: float weights from here on
+            weights = dequantize_release(weights, tuple(release["weight_block_size"]))
         loaded: set[str] = set()
         for name, tensor in remapper.apply(weights):
             target, shard = _split_shard(name)
@@ -620,31 +549,24 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
                 continue
             param = params[target]
             if shard is not None and shard[0] == "expert":
-                _, e, which = shard
-                _load_expert(param, name, int(e), which, tensor)
+                _load_expert(param, name, shard[1], shard[2], tensor, self.config.n_routed_experts)
             elif shard is not None:
-                loader = param.weight_loader
-                loader(param, tensor, shard[1])
+                param.weight_loader(param, tensor, shard[1])
             else:
-                _check_shape(name, target, tensor.shape, param.shape)
-                loader = getattr(param, "weight_loader", default_weight_loader)
-                loader(param, tensor)
+                loader = getattr(param, "weight_loader", None)
+                if loader is None or loader is default_weight_loader:
+                    _check_shape(name, target, tensor.shape, param.shape)
+                    default_weight_loader(param, tensor)
+                else:  # parallel layers: the loader takes this rank's shard and checks its shape
+                    try:
+                        loader(param, tensor)
+                    except (AssertionError, ValueError, RuntimeError) as exc:
+                        raise ValueError(f"checkpoint tensor {name} -> {target}: {exc}") from exc
             loaded.add(target)
         remapper.finish()
-        for mod in self.modules():
-            if isinstance(mod, DeepseekV4MoE) and mod.quantized:
-                ex = mod.experts
-                for name in ("w13", "w2"):
-                    if torch.count_nonzero(getattr(ex, f"{name}_offset")):
-                        raise ValueError(
-                            f"{mod.prefix}.experts: non-zero weight_offset (asymmetric weights) is "
-                            "not supported for W8A8_DYNAMIC"
-                        )
-                    if not torch.isfinite(getattr(ex, f"{name}_scale")).all():
-                        raise ValueError(f"{mod.prefix}.experts: weight_scale missing or non-finite")
         tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
         missing = sorted(set(params) - loaded - tied)
-        missing += sorted(set(buffers) - loaded)
+        missing += sorted(n for n in set(buffers) - loaded if n.endswith("tid2eid"))
         if missing:
             raise ValueError(
                 f"DeepSeek-V4 checkpoint lacks {len(missing)} tensor(s) the model needs: "
@@ -661,7 +583,7 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
     for name, mod in model.named_modules():
         if isinstance(mod, LinearBase) and getattr(mod, "quant_config", None) is not None:
             covered.update(quant_config.shard_prefixes(name))
-        if isinstance(mod, DeepseekV4MoE) and mod.quantized:
+        if isinstance(mod, DeepseekV4MoE) and not isinstance(mod.routed.quant_method, DeepseekV4FloatMoEMethod):
             covered.update(
                 f"{name}.experts.{e}.{p}" for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")
             )
@@ -696,33 +618,27 @@ def _check_shape(src: str, target: str, got, want) -> None:
         raise ValueError(f"checkpoint tensor {src} -> {target}: shape {tuple(got)} != model {tuple(want)}")
 
 
-def _load_expert(param: torch.Tensor, src: str, e: int, which: str, tensor: torch.Tensor) -> None:
-    if e >= param.shape[0]:
-        raise ValueError(f"checkpoint tensor {src}: expert {e} >= n_routed_experts {param.shape[0]}")
-    if which == "all":  # a stacked tensor for every expert
-        _check_shape(src, "experts", tensor.shape, param.shape)
-        param.data.copy_(tensor)
+def _load_expert(param: torch.Tensor, src: str, e: str, which: str, tensor: torch.Tensor, n_experts: int) -> None:
+    """One checkpoint expert tensor (or a stacked ``all`` tensor) through vLLM's fused-MoE loader.
+
+    ``which`` is vLLM's shard id: w1 (gate), w3 (up), w2 (down), or w13 for a stacked gate+up.
+    The loader takes this rank's intermediate shard and skips experts placed on other ranks.
+    """
+    loader = param.weight_loader
+    if e == "all":
+        if tensor.dim() != 3 or tensor.shape[0] != n_experts:
+            raise ValueError(f"checkpoint tensor {src}: shape {tuple(tensor.shape)}, expected [{n_experts}, ., .]")
+        for i in range(n_experts):
+            if which == "w13":
+                half = tensor.shape[1] // 2
+                loader(param, tensor[i, :half], src, shard_id="w1", expert_id=i)
+                loader(param, tensor[i, half:], src, shard_id="w3", expert_id=i)
+            else:
+                loader(param, tensor[i], src, shard_id=which, expert_id=i)
         return
-    if param.dtype == torch.int8 and tensor.dtype != torch.int8:
-        raise ValueError(
-            f"checkpoint tensor {src}: dtype {tensor.dtype}, but the ModelSlim description makes "
-            "these experts W8A8_DYNAMIC (int8 weights)"
-        )
-    if (
-        param.dtype != torch.int8
-        and tensor.dtype == torch.int8
-        and param.dtype.is_floating_point
-        and not src.endswith(("scale", "offset"))
-    ):
-        raise ValueError(f"checkpoint tensor {src}: int8, but no ModelSlim description makes it quantized")
-    rows = param.shape[1] // 2 if which in ("gate", "up") else param.shape[1]
-    dst = param.data[e]
-    if which == "gate":
-        dst = dst[:rows]
-    elif which == "up":
-        dst = dst[rows:]
-    _check_shape(src, f"expert {e} {which}", tensor.shape, dst.shape)
-    dst.copy_(tensor)
+    if int(e) >= n_experts:
+        raise ValueError(f"checkpoint tensor {src}: expert {e} >= n_routed_experts {n_experts}")
+    loader(param, tensor, src, shard_id=which, expert_id=int(e))
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -47,10 +47,17 @@ def check_startup(vllm_config) -> None:
     quant = model_config.quantization or getattr(hf, "quantization_config", None)
     method = quant if isinstance(quant, str) else (quant or {}).get("quant_method")
     if quant and method != "modelslim":
+        hint = (
+            " DeepSeek's own FP8/FP4 release is recognised from its config.json and dequantized at "
+            "load: drop --quantization."
+            if method in ("fp8", "deepseek_v4_fp8")
+            else ""
+        )
         raise ValueError(
-            f"{ARCH} (ascend-adapters portable path) serves float checkpoints only (float32/bfloat16); "
-            f"quantization {quant if isinstance(quant, str) else quant.get('quant_method', quant)!r} "
-            "(e.g. a ModelSlim W8A8 export) is not implemented for DeepSeek-V4 yet."
+            f"{ARCH} (ascend-adapters portable path): quantization {method or quant!r} is not supported. "
+            "Served: float checkpoints (float32/bfloat16), ModelSlim exports (W8A8_DYNAMIC / W8A8, "
+            "detected from quant_model_description.json), and DeepSeek's release (quantization_config "
+            f"quant_method fp8: FP8 e4m3 block-scaled linears, FP4 e2m1 experts, dequantized at load).{hint}"
         )
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:

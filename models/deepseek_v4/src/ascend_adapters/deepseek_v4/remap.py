@@ -14,7 +14,7 @@ Three layouts reach this model:
 The chain first normalises (1) to (2), then maps (2) to the vLLM model's
 parameters. Fused targets carry a shard suffix ``#k`` (``wqkv_a`` = wq_a rows
 then wkv rows; shared-expert ``gate_up_proj`` = w1 then w3) and routed experts
-``#expert:E:gate|up|down|all``. MTP-only tensors are skipped on purpose and
+``#expert:E:w1|w3|w2`` (vLLM's fused-MoE shard ids; ``E`` = ``all`` for a stacked tensor). MTP-only tensors are skipped on purpose and
 reported; any other name no rule maps is an error.
 """
 
@@ -76,14 +76,20 @@ def hf_to_vllm_rules() -> list:
         rename(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj."),
         rename(rf"\.shared_experts\.gate_proj\.{S}$", r".shared_experts.gate_up_proj.\1#0"),
         rename(rf"\.shared_experts\.up_proj\.{S}$", r".shared_experts.gate_up_proj.\1#1"),
-        rename(r"\.experts\.(\d+)\.gate_proj\.weight$", r".experts.w13#expert:\1:gate"),
-        rename(r"\.experts\.(\d+)\.gate_proj\.weight_(scale|offset)$", r".experts.w13_\2#expert:\1:gate"),
-        rename(r"\.experts\.(\d+)\.up_proj\.weight$", r".experts.w13#expert:\1:up"),
-        rename(r"\.experts\.(\d+)\.up_proj\.weight_(scale|offset)$", r".experts.w13_\2#expert:\1:up"),
-        rename(r"\.experts\.(\d+)\.down_proj\.weight$", r".experts.w2#expert:\1:down"),
-        rename(r"\.experts\.(\d+)\.down_proj\.weight_(scale|offset)$", r".experts.w2_\2#expert:\1:down"),
-        rename(r"\.experts\.gate_up_proj$", ".experts.w13#expert:0:all"),
-        rename(r"\.experts\.down_proj$", ".experts.w2#expert:0:all"),
+        rename(
+            r"\.experts\.(\d+)\.gate_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w13_\2#expert:\1:w1",
+        ),
+        rename(
+            r"\.experts\.(\d+)\.up_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w13_\2#expert:\1:w3",
+        ),
+        rename(
+            r"\.experts\.(\d+)\.down_proj\.(weight|weight_scale|weight_offset)$",
+            r".experts.routed_experts.w2_\2#expert:\1:w2",
+        ),
+        rename(r"\.experts\.gate_up_proj$", ".experts.routed_experts.w13_weight#expert:all:w13"),
+        rename(r"\.experts\.down_proj$", ".experts.routed_experts.w2_weight#expert:all:w2"),
     ]
 
 

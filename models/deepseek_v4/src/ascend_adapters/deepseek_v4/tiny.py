@@ -10,7 +10,10 @@ random values so every code path matters, and saves it with
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+
+import torch
 
 # vLLM forces its own `deepseek_v4` tokenizer mode for this architecture, which
 # expects DeepSeek's tokenizer; the tiny checkpoint ships a small local BPE.
@@ -139,4 +142,134 @@ def make_tiny(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
         data = json.loads(gen.read_text())
         data.pop("temperature", None)
         gen.write_text(json.dumps(data, indent=2))
+    return out
+
+
+# ---------------------------------------------------------------- DeepSeek's own release layout
+_NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+# FP8 e4m3 block-scaled in the release: attention linears (indexer query included) and the shared expert.
+RELEASE_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+RELEASE_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+# BF16 without a scale: compressor / indexer-compressor projections and the indexer's weights_proj.
+RELEASE_BF16_PROJ = re.compile(r"\.compressor\.(wkv|wgate)\.weight$|\.indexer\.weights_proj\.weight$")
+RELEASE_F32 = re.compile(r"(hc_(attn|ffn)_(fn|base|scale)|hc_head_(fn|base|scale)|attn_sink|\.ape|gate\.bias)$")
+BLOCK = 128
+
+
+def native_name(saved: str) -> str:
+    """transformers-saved tiny name -> DeepSeek's native name (no ``model.`` prefix)."""
+    n = saved.removeprefix("model.")
+    return {
+        "embed_tokens.weight": "embed.weight",
+        "lm_head.weight": "head.weight",
+        "hc_head.hc_fn": "hc_head_fn",
+        "hc_head.hc_base": "hc_head_base",
+        "hc_head.hc_scale": "hc_head_scale",
+    }.get(n, n)
+
+
+def native_config(overrides: dict | None = None) -> dict:
+    """DeepSeek's own config.json keys for the tiny architecture (HCA rate 128, as DeepSeek can express)."""
+    c = TINY_CONFIG
+    cfg = {
+        "architectures": ["DeepseekV4ForCausalLM"],
+        "model_type": "deepseek_v4",
+        **{k: c[k] for k in ("vocab_size", "hidden_size", "moe_intermediate_size", "num_hidden_layers")},
+        **{k: c[k] for k in ("num_attention_heads", "head_dim", "q_lora_rank", "o_groups", "o_lora_rank")},
+        **{k: c[k] for k in ("n_routed_experts", "n_shared_experts", "num_experts_per_tok", "norm_topk_prob")},
+        **{k: c[k] for k in ("routed_scaling_factor", "swiglu_limit", "sliding_window", "rope_theta")},
+        **{k: c[k] for k in ("compress_rope_theta", "max_position_embeddings", "index_n_heads", "index_head_dim")},
+        **{k: c[k] for k in ("index_topk", "hc_mult", "hc_sinkhorn_iters", "hc_eps", "rms_norm_eps")},
+        "num_key_value_heads": 1,
+        "qk_rope_head_dim": int(c["head_dim"] * c["partial_rotary_factor"]),
+        "scoring_func": "sqrtsoftplus",
+        "topk_method": "noaux_tc",
+        "num_hash_layers": sum(t == "hash_moe" for t in c["mlp_layer_types"]),
+        "compress_ratios": [_NATIVE_RATIO[t] for t in c["layer_types"]] + [0],  # + the MTP layer
+        "rope_scaling": {"type": "yarn", **{k: v for k, v in c["rope_parameters"].items() if k != "rope_type"}},
+        "num_nextn_predict_layers": 1,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+    }
+    return {**cfg, **(overrides or {})}
+
+
+def _pow2_scale(amax: torch.Tensor, qmax: float) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= qmax (an exact F8_E8M0 value)."""
+    return torch.exp2(torch.ceil(torch.log2(amax.clamp(min=1e-30) / qmax)))
+
+
+def quantize_fp8_block(w: torch.Tensor, block: int = BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (F8_E4M3 [out, in], F8_E8M0 [ceil(out/B), ceil(in/B)]), the release's encoding."""
+    out, inp = w.shape
+    rows, cols = -(-out // block), -(-inp // block)
+    pad = torch.zeros(rows * block, cols * block)
+    pad[:out, :inp] = w.float()
+    amax = pad.view(rows, block, cols, block).abs().amax(dim=(1, 3))
+    s = _pow2_scale(amax, 448.0)
+    full = s.repeat_interleave(block, 0)[:out].repeat_interleave(block, 1)[:, :inp]
+    return (w.float() / full).to(torch.float8_e4m3fn), s.to(torch.float8_e8m0fnu)
+
+
+_E2M1_POS = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [out, in] -> (int8 [out, in/2] two e2m1 codes per byte, low nibble first; F8_E8M0 [out, in/group])."""
+    out, inp = w.shape
+    g = w.float().view(out, inp // group, group)
+    s = _pow2_scale(g.abs().amax(-1), 6.0)
+    v = g / s[..., None]
+    code = (v.abs()[..., None] - _E2M1_POS).abs().argmin(-1) | ((v < 0).long() << 3)
+    code = code.view(out, inp)
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, s.to(torch.float8_e8m0fnu)
+
+
+def write_release(src_dir: str | Path, out_dir: str | Path) -> Path:
+    """DeepSeek's published layout from a transformers-saved tiny (HCA rate 128): native names, FP8
+    block-scaled attention / shared-expert linears, FP4 routed experts, BF16 compressor / indexer
+    projections, F32 mHC / sinks / ape / router bias, BF16 rest, ``mtp.0.*`` tensors (skipped by the
+    model), and a native config.json with the release's ``quantization_config``."""
+    from safetensors.torch import load_file, save_file
+
+    src, out = Path(src_dir), Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {}
+    for saved, t in load_file(str(src / "model.safetensors")).items():
+        n = native_name(saved)
+        base = n[: -len(".weight")]
+        if RELEASE_FP8.search(n):
+            tensors[n], tensors[f"{base}.scale"] = quantize_fp8_block(t)
+        elif RELEASE_FP4.search(n):
+            tensors[n], tensors[f"{base}.scale"] = quantize_fp4(t)
+        elif t.dtype == torch.int64 or RELEASE_F32.search(n):
+            tensors[n] = t
+        else:  # BF16: embed, head, norms, router weight, compressor / indexer projections
+            tensors[n] = t.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    h = TINY_CONFIG["hidden_size"]
+    tensors["mtp.0.e_proj.weight"], tensors["mtp.0.e_proj.scale"] = quantize_fp8_block(
+        torch.randn(h, h, generator=g) * 0.05
+    )
+    tensors["mtp.0.enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+    tensors["mtp.0.hc_head_base"] = torch.zeros(TINY_CONFIG["hc_mult"])
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (src / f).exists():
+            (out / f).write_bytes((src / f).read_bytes())
+    cfg = native_config(
+        {
+            "quantization_config": {
+                "quant_method": "fp8",
+                "fmt": "e4m3",
+                "scale_fmt": "ue8m0",
+                "activation_scheme": "dynamic",
+                "weight_block_size": [BLOCK, BLOCK],
+            }
+        }
+    )
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out

@@ -145,6 +145,7 @@ def w8a8_dynamic_moe(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``."""
     import torch_npu
@@ -192,7 +193,12 @@ def w8a8_dynamic_moe(
         )[0]
 
     xq, s = torch_npu.npu_dynamic_quant(rows)
-    h = torch_npu.npu_swiglu(gmm(xq, s, w13, w13_scale))
+    h = gmm(xq, s, w13, w13_scale)
+    if swiglu_limit is not None and swiglu_limit > 0:
+        gate, up = h.chunk(2, dim=-1)  # clamped SwiGLU: no fused NPU op, plain torch between the matmuls
+        h = (torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(h.dtype)
+    else:
+        h = torch_npu.npu_swiglu(h)
     hq, hs = torch_npu.npu_dynamic_quant(h)
     o = gmm(hq, hs, w2, w2_scale).float()
     if not apply_router_weight_on_input:

@@ -156,8 +156,14 @@ def w8a8_static_linear(
     return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
 
 
-def _act(name: str, h: torch.Tensor) -> torch.Tensor:
+def _act(name: str, h: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
     gate, up = h.chunk(2, dim=-1)
+    if swiglu_limit is not None and swiglu_limit > 0:
+        if name != "silu":
+            raise ValueError(f"W8A8_DYNAMIC MoE: swiglu_limit needs activation 'silu', got {name!r}")
+        # clamped SwiGLU (DeepSeek-V4, gpt-oss style): gate capped above, up clamped both ways
+        gate = gate.clamp(max=swiglu_limit)
+        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
     if name == "silu":
         return torch.nn.functional.silu(gate) * up
     if name == "gelu":
@@ -191,6 +197,7 @@ def w8a8_dynamic_moe(
     expert_map: torch.Tensor | None = None,
     activation: str = "silu",
     apply_router_weight_on_input: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Routed experts with W8A8_DYNAMIC weights.
 
@@ -198,6 +205,7 @@ def w8a8_dynamic_moe(
     ``w2_scale [E, H]``; ``topk_ids [T, k]`` global expert ids (negative: no route);
     ``expert_map [E_global]`` global -> local id (-1: not on this rank). Returns ``[T, H]`` in x.dtype,
     the router-weighted sum over the local experts (the caller reduces across ranks).
+    ``swiglu_limit`` (> 0) clamps the SwiGLU inputs: gate <= limit, -limit <= up <= limit.
     """
     T, H = x.shape
     E = w13.shape[0]
@@ -225,7 +233,7 @@ def w8a8_dynamic_moe(
         if apply_router_weight_on_input:
             rows = (rows.float() * w_e[:, None]).to(x.dtype)
         h = w8a8_dynamic_linear(rows, w13[e], w13_scale[e].reshape(-1))
-        a = _act(activation, h.float()).to(x.dtype)
+        a = _act(activation, h.float(), swiglu_limit).to(x.dtype)
         o = w8a8_dynamic_linear(a, w2[e], w2_scale[e].reshape(-1)).float()
         if not apply_router_weight_on_input:
             o = o * w_e[:, None]

@@ -1,0 +1,124 @@
+"""Memory of DeepSeek-V4 on this adapter, derived from a config (no hand-entered numbers).
+
+* ``state_bytes_per_sequence``: the attention state vLLM reserves per sequence today. Every layer
+  carries the same page (``model.state_shapes``: window, input ring, compressed entries, indexer
+  keys; float32), sized for ``max_model_len`` whatever the request's length.
+* ``paged_state_bytes``: what a paged design would hold for a sequence of ``tokens`` tokens: per
+  layer only what its type needs (sliding: the window; CSA: window + ring of 2*rate inputs +
+  tokens/rate entries + indexer keys; HCA: window + ring of rate inputs + tokens/rate entries), in
+  ``dtype_bytes`` per value.
+* ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``), with the
+  routed experts split over ``ep`` devices and the attention / shared / embedding weights over
+  ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated).
+* ``concurrency``: sequences whose state fits a device after its weights.
+"""
+
+from __future__ import annotations
+
+import math
+
+from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING
+
+
+def state_bytes_per_sequence(config, max_model_len: int) -> int:
+    from ascend_adapters.deepseek_v4.model import state_shapes
+
+    per_layer = sum(math.prod(s) for s in state_shapes(config, max_model_len)) * 4  # float32 state
+    return per_layer * int(config.num_hidden_layers)
+
+
+def paged_state_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
+    w, hd, h = int(config.sliding_window), int(config.head_dim), int(config.hidden_size)
+    total = 0
+    for kind in config.layer_types:
+        values = min(tokens, w) * hd
+        if kind != LAYER_SLIDING:
+            rate = int(config.compress_rates[kind])
+            entries = tokens // rate
+            values += (2 * rate if kind == LAYER_CSA else rate) * h + entries * hd
+            if kind == LAYER_CSA:
+                values += entries * int(config.index_head_dim)
+        total += values
+    return total * dtype_bytes
+
+
+def parameter_counts(config) -> dict:
+    """Parameters by placement: ``experts`` (routed, split by EP), ``tp`` (split by TP), ``replicated``."""
+    h, hd, nh = int(config.hidden_size), int(config.head_dim), int(config.num_attention_heads)
+    ql, og, ol = int(config.q_lora_rank), int(config.o_groups), int(config.o_lora_rank)
+    e, inter = int(config.n_routed_experts), int(config.moe_intermediate_size)
+    ih, idim, n = int(config.index_n_heads), int(config.index_head_dim), int(config.hc_mult)
+    shared = inter * max(1, int(config.n_shared_experts))
+    experts = tp = rep = 0
+    for kind in config.layer_types:
+        tp += ql * nh * hd + nh * hd * ol + og * ol * h + 3 * h * shared  # wq_b, wo_a, wo_b, shared expert
+        rep += h * ql + h * hd + e * h + 2 * (2 + n) * n * n * h  # wq_a, wkv, router, mHC
+        experts += e * 3 * h * inter
+        if kind == LAYER_CSA:
+            rep += 2 * (2 * hd) * h + ql * ih * idim + h * ih + 2 * (2 * idim) * h  # compressor + indexer
+        elif kind == LAYER_HCA:
+            rep += 2 * hd * h
+    tp += 2 * int(config.vocab_size) * h  # embedding + head (vocab-parallel)
+    return {"experts": experts, "tp": tp, "replicated": rep}
+
+
+def weight_bytes_per_device(config, tp: int, ep: int, dtype_bytes: int = 2) -> int:
+    c = parameter_counts(config)
+    return (c["experts"] // ep + c["tp"] // tp + c["replicated"]) * dtype_bytes
+
+
+def concurrency(config, max_model_len: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:
+    """Sequences of ``max_model_len`` whose (replicated) attention state fits one device after its weights."""
+    free = device_bytes - weight_bytes_per_device(config, tp, ep, dtype_bytes)
+    return max(0, free // state_bytes_per_sequence(config, max_model_len))
+
+
+def flash_config():
+    """DeepSeek-V4-Flash's published shape (REFERENCE §9) as transformers' config.
+
+    The vocabulary is not in that summary; 129280 (DeepSeek-V3's) is assumed, ~1 GB of 284 B.
+    """
+    from transformers import DeepseekV4Config
+
+    n = 43
+    ratios = [0, 0] + [4 if i % 2 == 0 else 128 for i in range(n - 2)]
+    kind = {0: LAYER_SLIDING, 4: LAYER_CSA, 128: LAYER_HCA}
+    return DeepseekV4Config(
+        vocab_size=129280,
+        hidden_size=4096,
+        num_hidden_layers=n,
+        num_attention_heads=64,
+        num_key_value_heads=1,
+        head_dim=512,
+        q_lora_rank=1024,
+        o_groups=8,
+        o_lora_rank=1024,
+        n_routed_experts=256,
+        n_shared_experts=1,
+        num_experts_per_tok=6,
+        moe_intermediate_size=2048,
+        sliding_window=128,
+        index_n_heads=64,
+        index_head_dim=128,
+        index_topk=512,
+        hc_mult=4,
+        layer_types=[kind[r] for r in ratios],
+        compress_rates={LAYER_CSA: 4, LAYER_HCA: 128},
+        mlp_layer_types=["hash_moe"] * 3 + ["moe"] * (n - 3),
+        max_position_embeddings=1048576,
+    )
+
+
+def flash_table(device_gib: int = 64, tp: int = 16, ep: int = 16) -> list[dict]:
+    cfg = flash_config()
+    rows = []
+    for length in (4096, 32768, 131072, 1048576):
+        rows.append(
+            {
+                "max_model_len": length,
+                "state_bytes_per_sequence": state_bytes_per_sequence(cfg, length),
+                "paged_bf16_bytes_at_full_length": paged_state_bytes(cfg, length, 2),
+                "concurrency": concurrency(cfg, length, device_gib << 30, tp, ep),
+            }
+        )
+    return rows
