@@ -26,3 +26,16 @@ def engine_version() -> Version | None:
 def engine_at_least(version: str) -> bool:
     current = engine_version()
     return current is not None and current >= Version(version)
+
+
+def mla_attention_spec(**kwargs):
+    """vLLM's ``MLAAttentionSpec(**kwargs)``; ``max_tp_shards`` is dropped where the installed spec has no
+    such field (vLLM 0.27.1 / 0.28). Decided by the dataclass's fields, not by the version number."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    fields = {f.name for f in dataclasses.fields(MLAAttentionSpec)}
+    if "max_tp_shards" not in fields:
+        kwargs.pop("max_tp_shards", None)
+    return MLAAttentionSpec(**kwargs)
