@@ -3,8 +3,10 @@
 msmodelslim cannot produce this layout from a tiny GLM-DSA (its GLM-5 adapter builds the full-size
 model; its default adapter leaves routed experts float under transformers' fused names, REFERENCE §8),
 so the export is written by common's documented-math exporter (``testing.modelslim.export_w8a8``):
-static W8A8 attention linears (per-tensor activation ranges calibrated with forward hooks on the
-transformers model), W8A8_DYNAMIC routed (per expert) and shared experts, FLOAT elsewhere.
+static W8A8 attention linears except ``kv_b_proj`` (per-tensor activation ranges calibrated with
+forward hooks on the transformers model), W8A8_DYNAMIC routed (per expert) and shared experts, FLOAT
+elsewhere. ``kv_b_proj`` stays FLOAT as in the released GLM-5.1 W8A8 export (REFERENCE §9): the adapter
+attends in the latent space and folds that weight into the query and the output.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from _glm_dsa_ref import Reference, random_prompts
 
 from ascend_adapters.common.testing.modelslim import ReferenceLinear, export_w8a8, load_export, patch_linears
 
-ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
 def plan(n_layers: int) -> dict[str, str]:
