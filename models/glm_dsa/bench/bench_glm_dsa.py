@@ -60,13 +60,12 @@ def _reexpanding_step(k, cache, slots, q, valid):
 def _absorbed_step(k, cache, slots, q, valid, q_idx, w_idx, sparse: bool):
     """What the model's decode does: W_UK into the query, latent attention over the rows (sparse: the
     indexer's top-k rows only), W_UV on the output."""
-    import torch
-
     from ascend_adapters.common import dispatch
+    from ascend_adapters.glm_dsa import kernels
 
     nope, r, p = GLM5["nope"], GLM5["kv_lora_rank"], GLM5["rope"]
     rows_op = dispatch.op("glm_dsa.cache_rows")
-    q_lat = torch.bmm(q[..., :nope].transpose(0, 1), k["w_uk"]).transpose(0, 1)
+    q_lat = kernels.absorb_query(q[..., :nope], k["w_uk_t"])
     if sparse:
         keys = rows_op(cache, slots)[..., r + p :]
         top = dispatch.op("glm_dsa.indexer_topk")(q_idx, w_idx, keys, valid[:, None], GLM5["index_topk"])[:, 0]
@@ -74,20 +73,21 @@ def _absorbed_step(k, cache, slots, q, valid, q_idx, w_idx, sparse: bool):
     else:
         rows, mask = rows_op(cache, slots), valid
     lat = dispatch.op("glm_dsa.latent_attention")(q_lat[:, None], q[:, None, :, nope:], rows, mask[:, None], k["scale"])
-    return torch.bmm(lat[:, 0].transpose(0, 1), k["w_uv"]).transpose(0, 1)
+    return kernels.expand_output(lat[:, 0], k["w_uv"])
 
 
-def layer_bench(contexts: list[int], repeat: int) -> dict:
+def layer_bench(contexts: list[int], repeat: int, threads: int) -> dict:
     import torch
 
     from ascend_adapters.glm_dsa import kernels
 
+    torch.set_num_threads(threads)
     torch.manual_seed(0)
     d = GLM5
     h, r, nope, p, v = d["heads"], d["kv_lora_rank"], d["nope"], d["rope"], d["v"]
     w_kv_b = torch.randn(h * (nope + v), r) * r**-0.5
-    w_uk, w_uv = kernels.absorb_kv_b(w_kv_b, h, nope, v)
-    k = {"w_kv_b": w_kv_b, "w_uk": w_uk, "w_uv": w_uv, "scale": (nope + p) ** -0.5}
+    w_uk_t, w_uv = kernels.absorb_kv_b(w_kv_b, h, nope, v)
+    k = {"w_kv_b": w_kv_b, "w_uk_t": w_uk_t, "w_uv": w_uv, "scale": (nope + p) ** -0.5}
     out = {}
     for length in contexts:
         block = 64
@@ -233,6 +233,13 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also write the record as one JSON file here (nox -s bench)")
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="git revision of the served-decode baseline")
     ap.add_argument("--skip-served", action="store_true", help="only the attention-layer part")
+    ap.add_argument(
+        "--layer-threads",
+        type=int,
+        default=1,
+        help="torch threads for the layer part, both paths alike (default 1: on a shared, oversubscribed "
+        "machine every multi-threaded op waits for all its threads, which penalizes small ops)",
+    )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -245,8 +252,9 @@ def main(argv=None) -> int:
     rec.metric("loadavg_before", os.getloadavg())
     contexts = [512, 2048] if args.quick else [512, 2048, 8192]
     print(f"GLM-5-sized attention layer (random weights, float32), one decode step, {GLM5}")
-    layer = layer_bench(contexts, repeat=2 if args.quick else 3)
+    layer = layer_bench(contexts, repeat=2 if args.quick else 3, threads=args.layer_threads)
     rec.metric("layer", layer)
+    rec.metric("layer_torch_threads", args.layer_threads)
     rec.command(f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}")
     for key, m in layer.items():
         # same model, sums in another order: float32 round-off on outputs of magnitude ~0.1 (kernel tests)

@@ -24,10 +24,10 @@ def _case(h=4, length=300, t=5, seed=0, dtype=torch.float64):
 
 def _absorbed(q, rows, w_kv_b, mask, scale):
     h = q.shape[1]
-    w_uk, w_uv = kernels.absorb_kv_b(w_kv_b, h, NOPE, V)
-    q_lat = torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk)
+    w_uk_t, w_uv = kernels.absorb_kv_b(w_kv_b, h, NOPE, V)
+    q_lat = kernels.absorb_query(q[..., :NOPE], w_uk_t)
     out = dispatch.op("glm_dsa.latent_attention")(q_lat[None], q[None, ..., NOPE:], rows[None], mask[None], scale)[0]
-    return torch.einsum("thr,hrv->thv", out.to(w_uv.dtype), w_uv)
+    return kernels.expand_output(out, w_uv)
 
 
 def test_absorbed_equals_reexpanded():
@@ -71,8 +71,8 @@ def test_batched_decodes_equal_single_requests():
     table = torch.stack([perm[0:8], perm[8:16], perm[16:24]])
     slots, valid = context_slots(table, lengths, block)
     _, w_kv_b, q = _case(h=h, t=3, dtype=torch.float32)
-    w_uk, w_uv = kernels.absorb_kv_b(w_kv_b, h, NOPE, V)
-    q_lat = torch.einsum("thn,hnr->thr", q[..., :NOPE], w_uk)
+    w_uk_t, _ = kernels.absorb_kv_b(w_kv_b, h, NOPE, V)
+    q_lat = kernels.absorb_query(q[..., :NOPE], w_uk_t)
     rows = dispatch.op("glm_dsa.cache_rows")(cache, slots)
     batched = dispatch.op("glm_dsa.latent_attention")(q_lat[:, None], q[:, None, :, NOPE:], rows, valid[:, None], 0.1)
     for i, n in enumerate(lengths.tolist()):

@@ -128,10 +128,20 @@ def latent_attention_portable(
 
 
 def absorb_kv_b(w_kv_b: torch.Tensor, num_heads: int, nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Split ``kv_b_proj``'s weight ``[H * (nope + v), R]`` into ``W_UK [H, nope, R]`` (query side) and
-    ``W_UV [H, R, v]`` (output side)."""
+    """Split ``kv_b_proj``'s weight ``[H * (nope + v), R]`` into ``W_UK^T [H, R, nope]`` (query side) and
+    ``W_UV [H, v, R]`` (output side), laid out so both products are row-major matrix-vector products."""
     w = w_kv_b.view(num_heads, nope + v_dim, w_kv_b.shape[-1])
-    return w[:, :nope].contiguous(), w[:, nope:].transpose(1, 2).contiguous()
+    return w[:, :nope].transpose(1, 2).contiguous(), w[:, nope:].contiguous()
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
+    """``q_nope [T, H, nope]`` through ``W_UK``: ``[T, H, R]``."""
+    return torch.bmm(w_uk_t.to(q_nope.dtype), q_nope.permute(1, 2, 0)).permute(2, 0, 1)
+
+
+def expand_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The latent attention output ``[T, H, R]`` through ``W_UV``: ``[T, H, v]``."""
+    return torch.bmm(w_uv.to(out_lat.dtype), out_lat.permute(1, 2, 0)).permute(2, 0, 1)
 
 
 def mla_reference(

@@ -220,9 +220,9 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary = GlmDsaRotary(config, self.rope_dim)
-        # W_UK [H, nope, R] and W_UV [H, R, v], split from kv_b_proj after loading (absorb_weights)
-        self.w_uk = torch.zeros(self.num_heads, self.nope, self.kv_lora_rank)
-        self.w_uv = torch.zeros(self.num_heads, self.kv_lora_rank, self.v_dim)
+        # W_UK^T [H, R, nope] and W_UV [H, v, R], split from kv_b_proj after loading (absorb_weights)
+        self.w_uk_t = torch.zeros(self.num_heads, self.kv_lora_rank, self.nope)
+        self.w_uv = torch.zeros(self.num_heads, self.v_dim, self.kv_lora_rank)
 
         self.shared_topk = _indexer_types(config)[layer_idx] == "shared"
         self.index_topk = int(config.index_topk)
@@ -283,7 +283,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             parts.append(kv_c.new_zeros(t, self.index_dim))
         rows = torch.cat(parts, dim=-1)
 
-        q_lat = torch.bmm(q[..., : self.nope].transpose(0, 1), self.w_uk.to(q.dtype)).transpose(0, 1)  # [T, H, R]
+        q_lat = kernels.absorb_query(q[..., : self.nope], self.w_uk_t)  # [T, H, R]
         q_pe = q[..., self.nope :]
         out = q_lat.new_zeros(t, self.num_heads, self.kv_lora_rank)
         md = get_forward_context().attn_metadata
@@ -308,7 +308,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
 
     def _output(self, out_lat: torch.Tensor) -> torch.Tensor:
         """``W_UV`` on the latent attention output, then ``o_proj``."""
-        out = torch.bmm(out_lat.transpose(0, 1), self.w_uv.to(out_lat.dtype)).transpose(0, 1)  # [T, H, v]
+        out = kernels.expand_output(out_lat, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(out.shape[0], -1))[0]
 
     def _select(self, q_idx, w_idx, keys, valid) -> torch.Tensor:
@@ -364,9 +364,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
                 "runs in the latent space, which folds kv_b_proj into the query and output, so it must be a "
                 "float tensor (released GLM-5.x W8A8 exports keep it BF16)"
             )
-        w_uk, w_uv = kernels.absorb_kv_b(self.kv_b_proj.weight.data, self.num_heads, self.nope, self.v_dim)
-        self.w_uk = w_uk
-        self.w_uv = w_uv
+        self.w_uk_t, self.w_uv = kernels.absorb_kv_b(self.kv_b_proj.weight.data, self.num_heads, self.nope, self.v_dim)
 
 
 class GlmDsaMLP(nn.Module):
