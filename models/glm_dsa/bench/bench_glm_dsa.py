@@ -182,6 +182,7 @@ def run_engine(model: Path, llm_kwargs: dict, jobs: list[dict], pythonpath_first
 
 def extract_baseline(rev: str, dest: Path) -> Path:
     """``models/glm_dsa/src`` as it was at ``rev`` (git archive), for the baseline engine's path."""
+    dest.mkdir(parents=True, exist_ok=True)
     tar = dest / "baseline.tar"
     subprocess.run(
         ["git", "-C", str(REPO), "archive", "-o", str(tar), rev, "models/glm_dsa/src"], check=True, timeout=60
