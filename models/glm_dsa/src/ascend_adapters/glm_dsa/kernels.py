@@ -136,12 +136,13 @@ def absorb_kv_b(w_kv_b: torch.Tensor, num_heads: int, nope: int, v_dim: int) -> 
 
 def absorb_query(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
     """``q_nope [T, H, nope]`` through ``W_UK``: ``[T, H, R]``."""
-    return torch.bmm(w_uk_t.to(q_nope.dtype), q_nope.permute(1, 2, 0)).permute(2, 0, 1)
+    return torch.bmm(w_uk_t.to(q_nope.dtype), q_nope.permute(1, 2, 0)).permute(2, 0, 1).contiguous()
 
 
 def expand_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """The latent attention output ``[T, H, R]`` through ``W_UV``: ``[T, H, v]``."""
-    return torch.bmm(w_uv.to(out_lat.dtype), out_lat.permute(1, 2, 0)).permute(2, 0, 1)
+    # contiguous: the result feeds o_proj, whose CPU GEMM wants unit stride on the last dimension
+    return torch.bmm(w_uv.to(out_lat.dtype), out_lat.permute(1, 2, 0)).permute(2, 0, 1).contiguous()
 
 
 def mla_reference(
