@@ -234,6 +234,7 @@ def main(argv=None) -> int:
     ap.add_argument("--out", help="also write the record as one JSON file here (nox -s bench)")
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="git revision of the served-decode baseline")
     ap.add_argument("--skip-served", action="store_true", help="only the attention-layer part")
+    ap.add_argument("--skip-layer", action="store_true", help="only the served-decode part")
     ap.add_argument(
         "--layer-threads",
         type=int,
@@ -249,14 +250,19 @@ def main(argv=None) -> int:
 
     from ascend_adapters.common.testing.evidence import EvidenceRecord
 
-    rec = EvidenceRecord(model="glm_dsa", gate="bench_decode" + ("_quick" if args.quick else ""))
+    gate = "bench_decode" + ("_served" if args.skip_layer else "") + ("_quick" if args.quick else "")
+    rec = EvidenceRecord(model="glm_dsa", gate=gate)
     rec.metric("loadavg_before", os.getloadavg())
-    contexts = [512, 2048] if args.quick else [512, 2048, 8192]
-    print(f"GLM-5-sized attention layer (random weights, float32), one decode step, {GLM5}")
-    layer = layer_bench(contexts, repeat=2 if args.quick else 3, threads=args.layer_threads)
-    rec.metric("layer", layer)
-    rec.metric("layer_torch_threads", args.layer_threads)
     rec.command(f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}")
+    contexts = [512, 2048] if args.quick else [512, 2048, 8192]
+    layer = {}
+    if args.skip_layer:
+        rec.skip("GLM-5-sized attention layer", "--skip-layer")
+    else:
+        print(f"GLM-5-sized attention layer (random weights, float32), one decode step, {GLM5}")
+        layer = layer_bench(contexts, repeat=2 if args.quick else 3, threads=args.layer_threads)
+        rec.metric("layer", layer)
+        rec.metric("layer_torch_threads", args.layer_threads)
     for key, m in layer.items():
         # same model, sums in another order: float32 round-off on outputs of magnitude ~0.1 (kernel tests)
         rec.check(
