@@ -3,8 +3,10 @@
 msmodelslim cannot produce this layout from a tiny GLM-DSA (its GLM-5 adapter builds the full-size
 model; its default adapter leaves routed experts float under transformers' fused names, REFERENCE §8),
 so the export is written by common's documented-math exporter (``testing.modelslim.export_w8a8``):
-static W8A8 attention linears (per-tensor activation ranges calibrated with forward hooks on the
-transformers model), W8A8_DYNAMIC routed (per expert) and shared experts, FLOAT elsewhere.
+static W8A8 attention linears except ``kv_b_proj`` (per-tensor activation ranges calibrated with
+forward hooks on the transformers model), W8A8_DYNAMIC routed (per expert) and shared experts, FLOAT
+elsewhere. ``kv_b_proj`` stays FLOAT as in the released GLM-5.1 W8A8 export (REFERENCE §9): the adapter
+attends in the latent space and folds that weight into the query and the output.
 """
 
 from __future__ import annotations
@@ -16,27 +18,27 @@ from _glm_dsa_ref import Reference, random_prompts
 
 from ascend_adapters.common.testing.modelslim import ReferenceLinear, export_w8a8, load_export, patch_linears
 
-ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 
 
-def plan(n_layers: int) -> dict[str, str]:
+def plan(n_layers: int, attn_linears=ATTN_LINEARS) -> dict[str, str]:
     """Main layers only: the MTP layer after them stays FLOAT (as released exports often leave it)."""
     out = {}
     for i in range(n_layers):
         p = f"model.layers.{i}."
-        out.update({f"{p}self_attn.{n}": "W8A8" for n in ATTN_LINEARS})
+        out.update({f"{p}self_attn.{n}": "W8A8" for n in attn_linears})
         out.update({f"{p}mlp.experts.*.{n}": "W8A8_DYNAMIC" for n in ("gate_proj", "up_proj", "down_proj")})
         out[f"{p}mlp.shared_experts.*"] = "W8A8_DYNAMIC"
     return out
 
 
-def calibrate(src: Path, n_layers: int) -> dict[str, tuple[float, float]]:
+def calibrate(src: Path, n_layers: int, attn_linears=ATTN_LINEARS) -> dict[str, tuple[float, float]]:
     """Input (min, max) of every attention linear over a few random prompts."""
     ref = Reference(src)
     ranges: dict[str, list[float]] = {}
     hooks = []
     for i in range(n_layers):
-        for n in ATTN_LINEARS:
+        for n in attn_linears:
             name = f"model.layers.{i}.self_attn.{n}"
             mod = ref.model.get_submodule(name)
 
@@ -53,8 +55,8 @@ def calibrate(src: Path, n_layers: int) -> dict[str, tuple[float, float]]:
     return {k: (v[0], v[1]) for k, v in ranges.items()}
 
 
-def make_export(src: Path, out: Path, n_layers: int) -> Path:
-    return export_w8a8(src, out, plan(n_layers), input_ranges=calibrate(src, n_layers))
+def make_export(src: Path, out: Path, n_layers: int, attn_linears=ATTN_LINEARS) -> Path:
+    return export_w8a8(src, out, plan(n_layers, attn_linears), input_ranges=calibrate(src, n_layers, attn_linears))
 
 
 class _RefExperts(torch.nn.Module):

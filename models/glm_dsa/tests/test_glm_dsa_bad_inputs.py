@@ -10,6 +10,7 @@ import sys
 
 import pytest
 from _glm_dsa_ref import add_tensor, build, random_prompts
+from _glm_dsa_w8a8 import ATTN_LINEARS, make_export
 
 from ascend_adapters.common import remap
 from ascend_adapters.common.testing.evidence import EvidenceRecord
@@ -101,14 +102,14 @@ def _variant(base, tmp_path, name):
     return out
 
 
-def _start_fails(ckpt, tmp_path, env=None, max_model_len=64) -> str:
+def _start_fails(ckpt, tmp_path, env=None, max_model_len=64, **llm_kwargs) -> str:
     """Start vLLM through the parity worker and return its whole log (the helper keeps only a short tail,
     in which the engine's own traceback hides the root cause)."""
     spec = {
         "model": str(ckpt),
         "runs": [random_prompts([4])],
         "max_tokens": 1,
-        "llm_kwargs": {**DEFAULT_LLM_KWARGS, "max_model_len": max_model_len},
+        "llm_kwargs": {**DEFAULT_LLM_KWARGS, "max_model_len": max_model_len, **llm_kwargs},
     }
     spec_path = tmp_path / f"spec-{ckpt.name}.json"
     spec_path.write_text(json.dumps(spec))
@@ -167,7 +168,14 @@ def test_bad_inputs_refused_by_vllm(base_ckpt, tmp_path, evidence_root):
     ok = "no 'index_topk'" in log
     rec.check("index_topk missing from config.json: start-up refused", ok, _excerpt(log))
     assert ok, log
-    rec.command("vllm.LLM(...) start-up on three broken variants of the tiny checkpoint")
+
+    # attention runs in the latent space with kv_b_proj folded in: a W8A8 kv_b_proj cannot be absorbed
+    quant_kv_b = make_export(base_ckpt, tmp_path / "w8a8_kv_b", n_layers=3, attn_linears=(*ATTN_LINEARS, "kv_b_proj"))
+    log = _start_fails(quant_kv_b, tmp_path, quantization="modelslim")
+    ok = "model.layers.0.self_attn.kv_b_proj: quantized" in log and "must be a float tensor" in log
+    rec.check("W8A8 kv_b_proj: start-up refused naming the tensor", ok, _excerpt(log))
+    assert ok, log
+    rec.command("vllm.LLM(...) start-up on four broken variants of the tiny checkpoint")
     rec.write(evidence_root)
 
 

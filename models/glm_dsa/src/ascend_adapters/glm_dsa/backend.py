@@ -32,6 +32,24 @@ class GlmDsaMetadata(AttentionMetadata):
     seq_lens: list[int]  # host, num_reqs
     block_table: torch.Tensor  # [num_reqs, max_blocks] (device)
     slot_mapping: torch.Tensor  # [num_actual_tokens] (device)
+    # decodes (one query token), batched: token index, context slots padded to the longest context
+    decode_tokens: torch.Tensor  # [D] long
+    decode_slots: torch.Tensor  # [D, Lmax] long (slot 0 beyond a request's length; see decode_valid)
+    decode_valid: torch.Tensor  # [D, Lmax] bool
+    # requests with several query tokens (prefill chunks): (request, first token, end token, context length)
+    prefills: list[tuple[int, int, int, int]]
+
+
+def context_slots(
+    block_table: torch.Tensor, lengths: torch.Tensor, block_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache slot of every position ``< length`` of each request, ``[N, max(length)]``, and its validity."""
+    lmax = int(lengths.max()) if lengths.numel() else 0
+    pos = torch.arange(lmax, device=block_table.device)
+    valid = pos[None, :] < lengths[:, None]
+    blocks = block_table.to(torch.long).gather(1, (pos // block_size)[None, :].expand(len(lengths), -1))
+    slots = (blocks * block_size + pos % block_size).masked_fill(~valid, 0)
+    return slots, valid
 
 
 class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
@@ -39,19 +57,35 @@ class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.block_size = kv_cache_spec.block_size
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
     ) -> GlmDsaMetadata:
         m = common_attn_metadata
         n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1].tolist()
+        seq_lens = m.seq_lens[:n].cpu().tolist()
+        block_table = m.block_table_tensor[:n]
+        decodes = [r for r in range(n) if qsl[r + 1] - qsl[r] == 1]
+        prefills = [(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(n) if qsl[r + 1] - qsl[r] > 1]
+        device = block_table.device
+        slots, valid = context_slots(
+            block_table[torch.tensor(decodes, dtype=torch.long, device=device)],
+            torch.tensor([seq_lens[r] for r in decodes], dtype=torch.long, device=device),
+            self.block_size,
+        )
         return GlmDsaMetadata(
             num_reqs=n,
             num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
-            seq_lens=m.seq_lens[:n].cpu().tolist(),
-            block_table=m.block_table_tensor[:n],
+            query_start_loc=qsl,
+            seq_lens=seq_lens,
+            block_table=block_table,
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
+            decode_tokens=torch.tensor([qsl[r] for r in decodes], dtype=torch.long, device=device),
+            decode_slots=slots,
+            decode_valid=valid,
+            prefills=prefills,
         )
 
 

@@ -3,17 +3,32 @@
 Every op has a portable torch implementation (what the CPU tests run). The
 rotary op also has a thin NPU form; the NPU forms are not tested here.
 
-Layouts: T tokens of one step, L context tokens of one request, H heads.
+Attention is computed in the latent space, as vLLM's own MLA backends do:
+the cache holds one row ``[kv_c | k_pe | indexer_k]`` per token, the query's
+nope part is taken through ``W_UK`` (the key half of ``kv_b_proj``) into the
+``kv_lora_rank``-wide latent space, scores are ``q_lat . kv_c + q_pe . k_pe``,
+the output is the probability-weighted sum of ``kv_c`` rows, and ``W_UV``
+(the value half) is applied to that sum. ``mla_reference`` beside it is the
+re-expanding form (every cached row through ``kv_b_proj``, then ordinary
+multi-head attention): the same model, kept as the portable reference for the
+unit tests and the benchmark.
+
+Layouts: ``N`` groups of ``S`` queries that share one set of ``K`` candidate
+rows (a prefilling request: N=1, S=its tokens, K=its context; a batch of
+decodes: N=decodes, S=1, K=the rows each one reads), H heads, R =
+kv_lora_rank, P = rope dim.
 
 * ``glm_dsa.rope``: interleaved ("GPT-J") rotary embedding of the rope slice,
   ``x [T, H, R]`` with ``cos``/``sin`` ``[T, R/2]``. The pairs stay in place;
   transformers' reference writes them de-interleaved, which gives the same
   dot products because queries and keys are permuted alike.
-* ``glm_dsa.cache_write`` / ``glm_dsa.cache_gather``: one latent row per token
-  (``[kv_c | k_pe | indexer_k]``) in a paged cache ``[blocks, block_size, C]``.
-* ``glm_dsa.indexer_select``: lightning-indexer scores and top-k selection,
-  returning a boolean ``[T, L]`` mask (causal and selected).
-* ``glm_dsa.masked_attention``: softmax attention restricted to a mask.
+* ``glm_dsa.cache_write`` / ``glm_dsa.cache_gather`` / ``glm_dsa.cache_rows``:
+  the paged cache ``[blocks, block_size, C]``; write rows at slots, read one
+  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor.
+* ``glm_dsa.indexer_topk``: lightning-indexer scores and the top-k context
+  positions per query among its valid (causal) keys, ``-1`` where a query has
+  fewer than ``topk`` valid keys.
+* ``glm_dsa.latent_attention``: absorbed MLA over candidate rows and a mask.
 """
 
 from __future__ import annotations
@@ -67,38 +82,88 @@ def cache_gather_portable(cache: torch.Tensor, block_row: torch.Tensor, length: 
     return blocks.reshape(-1, cache.shape[-1])[:length]
 
 
-@dispatch.portable("glm_dsa.indexer_select")
-def indexer_select_portable(
-    q: torch.Tensor,  # [T, Hi, D] rope applied
-    weights: torch.Tensor,  # [T, Hi] already scaled by Hi**-0.5
-    k: torch.Tensor,  # [L, D]
-    causal: torch.Tensor,  # [T, L] bool
+@dispatch.portable("glm_dsa.cache_rows")
+def cache_rows_portable(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows at ``slots [...]`` (any shape, all valid slot ids) of ``cache [B, N, C]``: ``[..., C]``."""
+    flat = cache.view(-1, cache.shape[-1])
+    return flat.index_select(0, slots.reshape(-1).to(torch.long)).view(*slots.shape, cache.shape[-1])
+
+
+@dispatch.portable("glm_dsa.indexer_topk")
+def indexer_topk_portable(
+    q: torch.Tensor,  # [N, S, Hi, D] rope applied
+    weights: torch.Tensor,  # [N, S, Hi] already scaled by Hi**-0.5
+    k: torch.Tensor,  # [N, L, D]
+    valid: torch.Tensor,  # [N, S, L] bool (causal and inside the request)
     topk: int,
-    softmax_scale: float,
 ) -> torch.Tensor:
-    """Lightning indexer: relu(q.k) weighted over heads, top-k per query among causal keys."""
-    length = k.shape[0]
-    if length <= topk:
-        return causal
-    scores = torch.einsum("thd,ld->thl", q.float(), k.float()) * softmax_scale
-    scores = torch.relu(scores)
-    index_scores = torch.einsum("th,thl->tl", weights.float(), scores)
-    index_scores = index_scores.masked_fill(~causal, float("-inf"))
-    top = index_scores.topk(topk, dim=-1).indices
-    selected = torch.zeros_like(causal).scatter_(-1, top, True)
-    return selected & causal
+    """Lightning indexer: relu(q.k) weighted over heads, the top-k positions per query among its valid
+    keys as ``[N, S, min(topk, L)]`` (``-1`` where a query has fewer valid keys). ``q`` carries the
+    indexer's softmax scale already."""
+    length = k.shape[1]
+    scores = torch.relu(torch.einsum("nshd,nld->nshl", q.float(), k.float()))
+    index_scores = torch.einsum("nsh,nshl->nsl", weights.float(), scores)
+    index_scores = index_scores.masked_fill(~valid, float("-inf"))
+    values, top = index_scores.topk(min(topk, length), dim=-1)
+    return top.masked_fill(values == float("-inf"), -1)
 
 
-@dispatch.portable("glm_dsa.masked_attention")
-def masked_attention_portable(
-    q: torch.Tensor,  # [T, H, Dk]
-    k: torch.Tensor,  # [L, H, Dk]
-    v: torch.Tensor,  # [L, H, Dv]
-    mask: torch.Tensor,  # [T, L] bool, True = attend
+@dispatch.portable("glm_dsa.latent_attention")
+def latent_attention_portable(
+    q_lat: torch.Tensor,  # [N, S, H, R]: q_nope taken through W_UK
+    q_pe: torch.Tensor,  # [N, S, H, P]: rope part of the query
+    rows: torch.Tensor,  # [N, K, >= R + P]: cached [kv_c | k_pe | ...] rows
+    mask: torch.Tensor,  # [N, S, K] bool, True = attend
     scale: float,
 ) -> torch.Tensor:
-    scores = torch.einsum("thd,lhd->htl", q.float(), k.float()) * scale
+    """Absorbed MLA: softmax(q_lat . kv_c + q_pe . k_pe) over the masked rows, times kv_c: ``[N, S, H, R]``."""
+    r, p = q_lat.shape[-1], q_pe.shape[-1]
+    kv_c = rows[..., :r].float()
+    k_pe = rows[..., r : r + p].float()
+    scores = torch.einsum("nshr,nkr->nshk", q_lat.float(), kv_c)
+    scores = scores + torch.einsum("nshp,nkp->nshk", q_pe.float(), k_pe)
+    scores = (scores * scale).masked_fill(~mask.unsqueeze(2), float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("nshk,nkr->nshr", probs, kv_c).to(q_lat.dtype)
+
+
+def absorb_kv_b(w_kv_b: torch.Tensor, num_heads: int, nope: int, v_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split ``kv_b_proj``'s weight ``[H * (nope + v), R]`` into ``W_UK^T [H, R, nope]`` (query side) and
+    ``W_UV [H, v, R]`` (output side), laid out so both products are row-major matrix-vector products."""
+    w = w_kv_b.view(num_heads, nope + v_dim, w_kv_b.shape[-1])
+    return w[:, :nope].transpose(1, 2).contiguous(), w[:, nope:].contiguous()
+
+
+def absorb_query(q_nope: torch.Tensor, w_uk_t: torch.Tensor) -> torch.Tensor:
+    """``q_nope [T, H, nope]`` through ``W_UK``: ``[T, H, R]``."""
+    return torch.bmm(w_uk_t.to(q_nope.dtype), q_nope.permute(1, 2, 0)).permute(2, 0, 1).contiguous()
+
+
+def expand_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """The latent attention output ``[T, H, R]`` through ``W_UV``: ``[T, H, v]``."""
+    # contiguous: the result feeds o_proj, whose CPU GEMM wants unit stride on the last dimension
+    return torch.bmm(w_uv.to(out_lat.dtype), out_lat.permute(1, 2, 0)).permute(2, 0, 1).contiguous()
+
+
+def mla_reference(
+    q: torch.Tensor,  # [T, H, nope + P]: the full query (nope | rope)
+    rows: torch.Tensor,  # [L, >= R + P]: one request's cached rows
+    w_kv_b: torch.Tensor,  # [H * (nope + v), R]
+    mask: torch.Tensor,  # [T, L] bool
+    scale: float,
+    nope: int,
+    v_dim: int,
+) -> torch.Tensor:
+    """The re-expanding form: every cached row through ``kv_b_proj`` into per-head keys and values, then
+    masked multi-head attention, ``[T, H, v]``. Same model as the absorbed path; its cost grows with the
+    context times ``kv_b_proj``'s width at every step (the benchmark's peer, the unit tests' reference)."""
+    h = q.shape[1]
+    r = w_kv_b.shape[-1]
+    p = q.shape[-1] - nope
+    kv = (rows[:, :r].float() @ w_kv_b.float().t()).view(-1, h, nope + v_dim)
+    k_pe = rows[:, r : r + p].float()
+    k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
+    scores = torch.einsum("thd,lhd->htl", q.float(), k) * scale
     scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    out = torch.einsum("htl,lhd->thd", probs, v.float())
-    return out.to(q.dtype)
+    return torch.einsum("htl,lhd->thd", probs, kv[..., nope:]).to(q.dtype)

@@ -5,11 +5,16 @@ MoE, decoder layer, model, then the causal-LM wrapper with ``load_weights``.
 
 Attention: MLA projections as in the checkpoint; per token the layer caches one
 latent row ``[kv_c | k_pe | indexer_k]`` in its own paged cache (a vLLM
-attention-like layer with an ``MLAAttentionSpec``), then for every request
-expands the cached latents with ``kv_b_proj`` and attends either to all
-previous tokens (dense path: exact while every context is at most
-``index_topk``) or to the ``index_topk`` tokens chosen by the lightning indexer
-(portable sparse path). See ``config.py`` for how the path is chosen.
+attention-like layer with an ``MLAAttentionSpec``) and attends in the latent
+space, as vLLM's own MLA does: ``kv_b_proj`` is split after loading into
+``W_UK`` (folded into the query) and ``W_UV`` (applied to the output), so the
+cache is never re-expanded. Each query attends either to all previous tokens
+(dense path: exact while every context is at most ``index_topk``) or only to
+the ``index_topk`` rows the lightning indexer selects, gathered from the paged
+cache (portable sparse path); "shared" layers reuse the previous full layer's
+selection. A step's decodes are attended in one batched call, each prefill
+chunk in one call over its request's rows. See ``config.py`` for how the path
+is chosen.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from vllm.model_executor.layers.linear import (
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
+    UnquantizedLinearMethod,
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
@@ -40,7 +46,7 @@ from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch, remap
-from ascend_adapters.glm_dsa import kernels  # noqa: F401  (registers the kernel ops)
+from ascend_adapters.glm_dsa import kernels  # also registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
     AttentionMode,
@@ -214,6 +220,9 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             prefix=f"{prefix}.o_proj",
         )
         self.rotary = GlmDsaRotary(config, self.rope_dim)
+        # W_UK^T [H, R, nope] and W_UV [H, v, R], split from kv_b_proj after loading (absorb_weights)
+        self.w_uk_t = torch.zeros(self.num_heads, self.kv_lora_rank, self.nope)
+        self.w_uv = torch.zeros(self.num_heads, self.v_dim, self.kv_lora_rank)
 
         self.shared_topk = _indexer_types(config)[layer_idx] == "shared"
         self.index_topk = int(config.index_topk)
@@ -274,44 +283,88 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             parts.append(kv_c.new_zeros(t, self.index_dim))
         rows = torch.cat(parts, dim=-1)
 
-        out = hidden_states.new_zeros(t, self.num_heads, self.v_dim)
+        q_lat = kernels.absorb_query(q[..., : self.nope], self.w_uk_t)  # [T, H, R]
+        q_pe = q[..., self.nope :]
+        out = q_lat.new_zeros(t, self.num_heads, self.kv_lora_rank)
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.layer_name)
         if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run
-            return self.o_proj(out.view(t, -1))[0], prev_selection
+            return self._output(out), prev_selection
 
         dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
-        gather = dispatch.op("glm_dsa.cache_gather")
-        select = dispatch.op("glm_dsa.indexer_select")
-        attend = dispatch.op("glm_dsa.masked_attention")
-        selections: list[torch.Tensor] = []
-        for r in range(md.num_reqs):
-            qs, qe = md.query_start_loc[r], md.query_start_loc[r + 1]
-            length = md.seq_lens[r]
-            if qe <= qs:
-                selections.append(None)
-                continue
-            ctx = gather(self.kv_cache, md.block_table[r], length)
-            kv = self.kv_b_proj(ctx[:, : self.kv_lora_rank])[0].view(length, self.num_heads, self.nope + self.v_dim)
-            k_pe_ctx = ctx[:, self.kv_lora_rank : self.kv_lora_rank + self.rope_dim]
-            k = torch.cat([kv[..., : self.nope], k_pe_ctx[:, None, :].expand(-1, self.num_heads, -1)], dim=-1)
-            v = kv[..., self.nope :]
-            q_pos = torch.arange(length - (qe - qs), length, device=ctx.device)
-            mask = torch.arange(length, device=ctx.device)[None, :] <= q_pos[:, None]
-            if self.mode is AttentionMode.SPARSE:
-                if self.indexer is not None:
-                    k_idx_ctx = ctx[:, self.kv_lora_rank + self.rope_dim :]
-                    mask = select(
-                        q_idx[qs:qe], w_idx[qs:qe], k_idx_ctx, mask, self.index_topk, self.indexer.softmax_scale
-                    )
-                else:
-                    if prev_selection is None or prev_selection[r] is None:
-                        raise RuntimeError(f"{self.layer_name}: a 'shared' DSA layer needs the previous layer's top-k")
-                    mask = prev_selection[r]
-            selections.append(mask)
-            out[qs:qe] = attend(q[qs:qe], k, v, mask, self.scaling)
-        return self.o_proj(out.view(t, -1))[0], selections
+        selection = None
+        if self.mode is AttentionMode.SPARSE:
+            if self.indexer is None and prev_selection is None:
+                raise RuntimeError(f"{self.layer_name}: a 'shared' DSA layer needs the previous layer's top-k")
+            selection = prev_selection
+            if self.indexer is not None:
+                selection = torch.full((t, self.index_topk), -1, dtype=torch.long, device=q.device)
+        if md.decode_tokens.numel():
+            self._decodes(md, q_lat, q_pe, q_idx, w_idx, out, selection)
+        for r, qs, qe, length in md.prefills:
+            self._prefill(md.block_table[r], qs, qe, length, q_lat, q_pe, q_idx, w_idx, out, selection)
+        return self._output(out), selection
+
+    def _output(self, out_lat: torch.Tensor) -> torch.Tensor:
+        """``W_UV`` on the latent attention output, then ``o_proj``."""
+        out = kernels.expand_output(out_lat, self.w_uv)  # [T, H, v]
+        return self.o_proj(out.reshape(out.shape[0], -1))[0]
+
+    def _select(self, q_idx, w_idx, keys, valid) -> torch.Tensor:
+        """Top-k context positions ``[N, S, index_topk]`` (``-1`` = none) from this layer's indexer."""
+        top = dispatch.op("glm_dsa.indexer_topk")(
+            q_idx * self.indexer.softmax_scale, w_idx, keys, valid, self.index_topk
+        )
+        if top.shape[-1] < self.index_topk:
+            top = torch.nn.functional.pad(top, (0, self.index_topk - top.shape[-1]), value=-1)
+        return top
+
+    def _decodes(self, md, q_lat, q_pe, q_idx, w_idx, out, selection) -> None:
+        """Every decode of the step in one call; sparse: only the selected rows are read."""
+        tok = md.decode_tokens
+        slots, valid = md.decode_slots, md.decode_valid
+        if self.mode is AttentionMode.DENSE:
+            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [D, L, C]
+            mask = valid
+        else:
+            if self.indexer is not None:
+                keys = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)[..., self.kv_lora_rank + self.rope_dim :]
+                top = self._select(q_idx[tok][:, None], w_idx[tok][:, None], keys, valid[:, None])[:, 0]
+                selection[tok] = top
+            else:
+                top = selection[tok]  # [D, topk]
+            mask = top >= 0
+            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots.gather(1, top.clamp(min=0)))  # [D, k, C]
+        attend = dispatch.op("glm_dsa.latent_attention")
+        out[tok] = attend(q_lat[tok][:, None], q_pe[tok][:, None], rows, mask[:, None], self.scaling)[:, 0]
+
+    def _prefill(self, block_row, qs, qe, length, q_lat, q_pe, q_idx, w_idx, out, selection) -> None:
+        """One request with several query tokens (a prefill chunk) over its context rows."""
+        ctx = dispatch.op("glm_dsa.cache_gather")(self.kv_cache, block_row, length)  # [L, C]
+        q_pos = torch.arange(length - (qe - qs), length, device=ctx.device)
+        mask = torch.arange(length, device=ctx.device)[None, :] <= q_pos[:, None]  # [S, L]
+        if self.mode is AttentionMode.SPARSE:
+            if self.indexer is not None:
+                keys = ctx[None, :, self.kv_lora_rank + self.rope_dim :]
+                selection[qs:qe] = self._select(q_idx[None, qs:qe], w_idx[None, qs:qe], keys, mask[None])[0]
+            top = selection[qs:qe]
+            chosen = torch.zeros(qe - qs, length + 1, dtype=torch.bool, device=ctx.device)
+            chosen.scatter_(1, torch.where(top >= 0, top, length), True)
+            mask = chosen[:, :length] & mask
+        attend = dispatch.op("glm_dsa.latent_attention")
+        out[qs:qe] = attend(q_lat[None, qs:qe], q_pe[None, qs:qe], ctx[None], mask[None], self.scaling)[0]
+
+    def absorb_weights(self) -> None:
+        """Split ``kv_b_proj`` into ``W_UK`` / ``W_UV`` (see kernels.absorb_kv_b). Called at the end of
+        ``load_weights``: vLLM's CPU linear later repacks the weight and drops the plain tensor."""
+        if not isinstance(self.kv_b_proj.quant_method, UnquantizedLinearMethod):
+            raise GlmDsaConfigError(
+                f"{self.kv_b_proj.prefix}: quantized ({type(self.kv_b_proj.quant_method).__name__}); attention "
+                "runs in the latent space, which folds kv_b_proj into the query and output, so it must be a "
+                "float tensor (released GLM-5.x W8A8 exports keep it BF16)"
+            )
+        self.w_uk_t, self.w_uv = kernels.absorb_kv_b(self.kv_b_proj.weight.data, self.num_heads, self.nope, self.v_dim)
 
 
 class GlmDsaMLP(nn.Module):
@@ -541,6 +594,8 @@ class GlmMoeDsaForCausalLM(nn.Module):
         missing = sorted(set(params) - loaded)
         if missing:
             raise remap.RemapError(f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}")
+        for layer in self.model.layers:
+            layer.self_attn.absorb_weights()
         self.load_report = report
         logger.info("GLM-DSA weights (%s path): %s", self.model.mode.value, report.summary())
         return loaded
