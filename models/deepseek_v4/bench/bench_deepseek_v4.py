@@ -154,9 +154,9 @@ def main() -> int:
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
     if args.vs_native:
-        from ascend_adapters.common.compat import engine_version
+        from ascend_adapters.common.versions import engine_distribution
 
-        results = {"engine": str(engine_version()), "load_average": os.getloadavg(), **vs_native(prompt_len, gen)}
+        results = {"engine": " ".join(engine_distribution() or ("?",)), "load_average": os.getloadavg(), **vs_native(prompt_len, gen)}
         print(json.dumps(results, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))
