@@ -223,7 +223,11 @@ def _all_npu_ops():
     # Import every module that registers kernels on this branch, so a new dispatch.npu op is seen here.
     import ascend_adapters.common.quant.kernels  # noqa: F401
 
-    for mod in ("ascend_adapters.glm_dsa.kernels", "ascend_adapters.deepseek_v4.kernels", "ascend_adapters.rwkv7.kernels"):
+    for mod in (
+        "ascend_adapters.glm_dsa.kernels",
+        "ascend_adapters.deepseek_v4.kernels",
+        "ascend_adapters.rwkv7.kernels",
+    ):
         __import__(mod)
     return sorted(n for n, impl in dispatch.registered_ops().items() if impl["npu"] and not n.startswith("test."))
 

@@ -156,7 +156,11 @@ def main() -> int:
     if args.vs_native:
         from ascend_adapters.common.versions import engine_distribution
 
-        results = {"engine": " ".join(engine_distribution() or ("?",)), "load_average": os.getloadavg(), **vs_native(prompt_len, gen)}
+        results = {
+            "engine": " ".join(engine_distribution() or ("?",)),
+            "load_average": os.getloadavg(),
+            **vs_native(prompt_len, gen),
+        }
         print(json.dumps(results, indent=2))
         if args.out:
             Path(args.out).write_text(json.dumps(results, indent=2))

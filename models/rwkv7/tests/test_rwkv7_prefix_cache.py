@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 from _rwkv7_cases import CASES, build_case, prompts
+from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.testing.evidence import EvidenceRecord
-from _rwkv7_ref import rwkv_package_logits
 
 CASE = "h64x2_l3"
 BLOCK = 16

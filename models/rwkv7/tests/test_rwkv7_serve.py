@@ -9,8 +9,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from _rwkv7_ref import rwkv_package_logits
 from _rwkv7_cases import engine_configs
+from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.server import VllmServer
 from ascend_adapters.rwkv7.tiny import make_tiny

@@ -61,6 +61,4 @@ def install() -> None:
     from ascend_adapters.common.policy import install_policy
     from ascend_adapters.rwkv7 import ARCHITECTURES
 
-    install_policy(
-        ARCHITECTURES, check_startup, base=MambaModelConfig, name="Rwkv7StartupPolicy", before_parents=True
-    )
+    install_policy(ARCHITECTURES, check_startup, base=MambaModelConfig, name="Rwkv7StartupPolicy", before_parents=True)
