@@ -246,9 +246,22 @@ def serving_report(load_plugins: bool = True) -> list[dict]:
     import importlib.metadata as md
 
     if load_plugins:
+        import os
+
         from vllm.plugins import load_general_plugins
 
-        load_general_plugins()
+        from ascend_adapters.common.compat import ENGINE_OVERRIDE_ENV
+
+        # status reports an out-of-range engine on its own line; it must not be stopped by the refusal
+        saved = os.environ.get(ENGINE_OVERRIDE_ENV)
+        os.environ[ENGINE_OVERRIDE_ENV] = "on"
+        try:
+            load_general_plugins()
+        finally:
+            if saved is None:
+                del os.environ[ENGINE_OVERRIDE_ENV]
+            else:
+                os.environ[ENGINE_OVERRIDE_ENV] = saved
     rows = []
     for ep in sorted(md.entry_points(group="vllm.general_plugins"), key=lambda e: e.name):
         module_name = ep.value.split(":")[0]
