@@ -30,6 +30,7 @@ from ascend_adapters.common.gate import serve_args as sa
 from ascend_adapters.common.gate.cli import split_rest
 from ascend_adapters.common.gate.runner import GREEDY_PROMPT, GREEDY_TOKENS
 from ascend_adapters.common.server import CPU_TEST_ARGS, group_members
+from ascend_adapters.common.testing.evidence import record_name
 from ascend_adapters.common.testing.factory import make_tiny_llama
 from ascend_adapters.common.testing.probe import PROBE_ENV
 
@@ -69,7 +70,7 @@ def run_gate_cli(argv: list[str], capsys) -> tuple[int, str]:
 
 
 def load_record(root: Path, name: str) -> dict:
-    return json.loads((root / name / f"{GATE_NAME}.json").read_text())
+    return json.loads((root / name / record_name(GATE_NAME)).read_text())
 
 
 def checks_of(rec: dict) -> dict[str, dict]:
@@ -237,7 +238,13 @@ def test_gate_passes_both_stages_and_writes_record(tiny, tmp_path, evidence_root
     got = greedy[0]["response"]
     assert isinstance(got, dict) and got["token_ids"] in (ref_ids, ref_ids[:-1]), (got, ref_ids)
 
-    assert "| tiny_llama | deployment_gate | PASS |" in (evidence_root / "index.md").read_text()
+    link = f"[PASS](tiny_llama/{record_name(GATE_NAME)})"
+    row = next(
+        x
+        for x in (evidence_root / "index.md").read_text().splitlines()
+        if x.startswith("| tiny_llama | deployment_gate |")
+    )
+    assert link in row, row
     assert "[gate] PASS" in out
     assert_servers_gone(rec)
     assert tree_digest(tiny) == before
