@@ -1,6 +1,10 @@
 """DeepSeek-V4 on the portable path: W8A8 vs float32 serving, and vLLM vs transformers.
 
-    python bench/bench_deepseek_v4.py --quick [--out results.json]
+    python bench/bench_deepseek_v4.py --quick [--out results.json] [--evidence-dir evidence]
+
+With --evidence-dir (or $ASCEND_ADAPTERS_EVIDENCE_DIR, set by `nox -s bench -- --evidence-dir
+evidence`) the numbers and ratios go into an evidence record, deepseek_v4/bench-deepseek_v4.json,
+with the load average at start and end and the versions.
 
 Builds the tiny DeepSeek-V4 (``ascend_adapters.deepseek_v4.tiny``) and a ModelSlim W8A8_DYNAMIC
 export of it (common's exporter), then, in the same run:
@@ -11,7 +15,7 @@ export of it (common's exporter), then, in the same run:
 
 Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its own process.
 
-``--vs-native`` instead serves DeepSeek's published layout (``tiny.write_release``: FP8 / FP4
+Then (unless ``--skip-vs-native``; ``--vs-native`` runs only this part) it serves DeepSeek's published layout (``tiny.write_release``: FP8 / FP4
 weights, native config) twice in the same run: with this adapter, and with vLLM's own DeepSeek-V4
 (plugins disabled, ``VLLM_PLUGINS=none``), both in bfloat16 (vLLM's own FP8 method refuses
 float32), and reports the tokens/s ratio, or why vLLM's own model
@@ -29,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from ascend_adapters.common.testing.evidence import BenchRun, add_evidence_dir_argument
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -63,6 +69,7 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "fl
         dt = time.perf_counter() - t
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         res[f"tokens_per_s_batch{batch}"] = n / dt
+        res[f"tokens_batch{batch}"] = n
     Path(out).write_text(json.dumps(res))
 
 
@@ -102,7 +109,7 @@ def hf_generate(model_dir: Path, prompt_len: int, gen: int) -> dict:
         t = time.perf_counter()
         out = model.generate(ids, **kw)
         dt = time.perf_counter() - t
-    return {"tokens_per_s_batch1": (out.shape[1] - ids.shape[1]) / dt}
+    return {"tokens_per_s_batch1": (out.shape[1] - ids.shape[1]) / dt, "tokens_batch1": out.shape[1] - ids.shape[1]}
 
 
 def vs_native(prompt_len: int, gen: int) -> dict:
@@ -135,11 +142,17 @@ def vs_native(prompt_len: int, gen: int) -> dict:
     return res
 
 
+def _per_token_s(r: dict, batch: int) -> float:
+    return 1.0 / r[f"tokens_per_s_batch{batch}"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
-    ap.add_argument("--vs-native", action="store_true", help="this adapter vs vLLM's own DeepSeek-V4")
+    ap.add_argument("--vs-native", action="store_true", help="only this adapter vs vLLM's own DeepSeek-V4")
+    ap.add_argument("--skip-vs-native", action="store_true", help="leave out the comparison with vLLM's own model")
+    add_evidence_dir_argument(ap)
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -150,49 +163,79 @@ def main() -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ascend_adapters.common.testing.modelslim import export_w8a8
+    from ascend_adapters.common.versions import engine_distribution
     from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
-    if args.vs_native:
-        from ascend_adapters.common.versions import engine_distribution
-
-        results = {
-            "engine": " ".join(engine_distribution() or ("?",)),
-            "load_average": os.getloadavg(),
-            **vs_native(prompt_len, gen),
-        }
-        print(json.dumps(results, indent=2))
-        if args.out:
-            Path(args.out).write_text(json.dumps(results, indent=2))
-        return 0
-    with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:
-        float_dir = make_tiny(Path(tmp) / "float")
-        w8a8_dir = export_w8a8(float_dir, Path(tmp) / "w8a8", W8A8_PLAN)
-        results = {
-            "shape": "ascend_adapters.deepseek_v4.tiny.TINY_CONFIG",
-            "prompt_len": prompt_len,
-            "generated": gen,
-            "vllm_float32": run_engine(float_dir, prompt_len, gen),
-            "vllm_w8a8_dynamic": run_engine(w8a8_dir, prompt_len, gen),
-            "transformers_generate_float32": hf_generate(float_dir, prompt_len, gen),
-        }
-    f, q, hf = results["vllm_float32"], results["vllm_w8a8_dynamic"], results["transformers_generate_float32"]
-    results["ratios"] = {
-        "w8a8_over_float_tokens_per_s_batch1": q["tokens_per_s_batch1"] / f["tokens_per_s_batch1"],
-        "w8a8_over_float_tokens_per_s_batch8": q["tokens_per_s_batch8"] / f["tokens_per_s_batch8"],
-        "w8a8_over_float_weight_bytes": q["weight_bytes"] / f["weight_bytes"],
-        "vllm_over_transformers_tokens_per_s_batch1": f["tokens_per_s_batch1"] / hf["tokens_per_s_batch1"],
+    run = BenchRun("deepseek_v4", "deepseek_v4-vs-native" if args.vs_native else "deepseek_v4")
+    results = {
+        "engine": " ".join(engine_distribution() or ("?",)),
+        "quick": args.quick,
+        "prompt_len": prompt_len,
+        "generated": gen,
     }
-    for name, r in (("vLLM float32", f), ("vLLM W8A8_DYNAMIC", q)):
-        print(
-            f"{name:20s} batch1 {r['tokens_per_s_batch1']:8.1f} tok/s  batch8 {r['tokens_per_s_batch8']:8.1f} "
-            f"tok/s  weights {r['weight_bytes'] / 1e6:6.2f} MB"
-        )
-    print(f"{'transformers float32':20s} batch1 {hf['tokens_per_s_batch1']:8.1f} tok/s")
-    for k, v in results["ratios"].items():
-        print(f"{k}: {v:.3f}")
+    if not args.vs_native:
+        with tempfile.TemporaryDirectory(prefix="bench-dsv4-") as tmp:
+            float_dir = make_tiny(Path(tmp) / "float")
+            w8a8_dir = export_w8a8(float_dir, Path(tmp) / "w8a8", W8A8_PLAN)
+            results.update(
+                shape="ascend_adapters.deepseek_v4.tiny.TINY_CONFIG",
+                vllm_float32=run_engine(float_dir, prompt_len, gen),
+                vllm_w8a8_dynamic=run_engine(w8a8_dir, prompt_len, gen),
+                transformers_generate_float32=hf_generate(float_dir, prompt_len, gen),
+            )
+        f, q, hf = results["vllm_float32"], results["vllm_w8a8_dynamic"], results["transformers_generate_float32"]
+        results["ratios"] = {
+            "w8a8_over_float_tokens_per_s_batch1": q["tokens_per_s_batch1"] / f["tokens_per_s_batch1"],
+            "w8a8_over_float_tokens_per_s_batch8": q["tokens_per_s_batch8"] / f["tokens_per_s_batch8"],
+            "w8a8_over_float_weight_bytes": q["weight_bytes"] / f["weight_bytes"],
+            "vllm_over_transformers_tokens_per_s_batch1": f["tokens_per_s_batch1"] / hf["tokens_per_s_batch1"],
+        }
+        for name, r in (("vLLM float32", f), ("vLLM W8A8_DYNAMIC", q)):
+            print(
+                f"{name:20s} batch1 {r['tokens_per_s_batch1']:8.1f} tok/s  batch8 {r['tokens_per_s_batch8']:8.1f} "
+                f"tok/s  weights {r['weight_bytes'] / 1e6:6.2f} MB"
+            )
+        print(f"{'transformers float32':20s} batch1 {hf['tokens_per_s_batch1']:8.1f} tok/s")
+        for k, v in results["ratios"].items():
+            print(f"{k}: {v:.3f}")
+        # ratio = peer seconds per token / ours: > 1 means the first-named path is faster
+        for b in (1, 8):
+            run.ratio(f"w8a8_vs_float_decode_batch{b}", _per_token_s(q, b), _per_token_s(f, b), "vLLM float32",
+                      ours_tokens_per_s=round(q[f"tokens_per_s_batch{b}"], 2),
+                      peer_tokens_per_s=round(f[f"tokens_per_s_batch{b}"], 2))  # fmt: skip
+        run.ratio("vllm_vs_transformers_decode_batch1", _per_token_s(f, 1), _per_token_s(hf, 1),
+                  "transformers generate (float32)", ours_tokens_per_s=round(f["tokens_per_s_batch1"], 2),
+                  peer_tokens_per_s=round(hf["tokens_per_s_batch1"], 2))  # fmt: skip
+        run.metric("w8a8_over_float_weight_bytes", round(results["ratios"]["w8a8_over_float_weight_bytes"], 3))
+    if args.vs_native or not args.skip_vs_native:
+        nat = results["vs_native"] = vs_native(prompt_len, gen)
+        print(json.dumps(nat, indent=2))
+        native = nat["vllm_native"]
+        if "tokens_per_s_batch1" in native:
+            run.ratio("adapter_vs_vllm_native_decode_batch1", _per_token_s(nat["adapter"], 1),
+                      _per_token_s(native, 1), "vLLM's own DeepSeek-V4 (VLLM_PLUGINS=none, bfloat16)")  # fmt: skip
+        else:
+            run.rec.skip("adapter vs vLLM's own DeepSeek-V4 ratio", native["why"])
+    # a rate is only meaningful over the full requested length (ignore_eos / min_new_tokens)
+    engines = {
+        k: results[k] for k in ("vllm_float32", "vllm_w8a8_dynamic", "transformers_generate_float32") if k in results
+    }
+    engines.update(
+        {f"vs_native {k}": v for k, v in results.get("vs_native", {}).items() if k in ("adapter", "vllm_native")}
+    )
+    for name, r in engines.items():
+        for b in (1, 8):
+            if f"tokens_batch{b}" in r:
+                run.check(f"{name}: batch {b} generated {b} x {gen} tokens", r[f"tokens_batch{b}"] == b * gen,
+                          r[f"tokens_batch{b}"])  # fmt: skip
+    run.metric("results", results)
+    run.rec.notes.append("the engines ran one after another in this run, each in its own process (not interleaved)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
+    path = run.write(args.evidence_dir)
+    if path:
+        print(f"evidence record: {path}")
     return 0
 
 

@@ -166,7 +166,9 @@ def w8a8_reference(float_dir, export_dir):
         if not (isinstance(kind, str) and key.endswith(".weight") and kind == "W8A8_DYNAMIC"):
             continue
         prefix = key[: -len(".weight")]
-        m = re.match(r"model\.layers\.(\d+)\.(.*)$", prefix)
+        m = re.match(r"(?:model\.)?layers\.(\d+)\.(.*)$", prefix)
+        if m is None:  # mtp.*: not part of the served model
+            continue
         layer, rest = int(m.group(1)), m.group(2)
         e = re.match(r"ffn\.experts\.(\d+)\.(w[123])$", rest)
         if e:

@@ -3,7 +3,9 @@
 The export comes from common's exporter (``testing.modelslim.export_w8a8``: the documented per-linear
 layout and math, per-expert ``experts.E.w1/w2/w3`` int8 + ``weight_scale``/``weight_offset``), because
 msmodelslim's DeepSeek-V4 adapter builds a full-size model and its default adapter does not export
-routed experts (REFERENCE §8). Compared with
+routed experts (REFERENCE §8). The export keeps what published DeepSeek-V4 ModelSlim exports carry
+(REFERENCE §9): native names without a ``model.`` prefix, ``wo_a`` and ``hc_*`` labelled FLOAT, and
+``mtp.*`` tensors with description entries (one of them quantized), which the model must skip. Compared with
 
 * a plain-torch reference using the same int8 weights and per-token activation quantization
   (transformers' model with common's ``ReferenceLinear`` swapped in): agreement to float32 rounding;
@@ -13,23 +15,56 @@ routed experts (REFERENCE §8). Compared with
 from __future__ import annotations
 
 import pytest
+import torch
 from _dsv4_cases import W8A8_PLAN, hf_model, prompts, reference_fn, w8a8_reference
 
 from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.modelslim import export_w8a8
+from ascend_adapters.common.testing.modelslim import export_w8a8, load_export
 from ascend_adapters.common.testing.parity import compare, vllm_logits
-from ascend_adapters.deepseek_v4.tiny import make_tiny
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny, native_name
 
 TOL = 1e-3
+
+
+def _native_with_mtp(name, t):
+    """transformers-saved name -> the native name a ModelSlim export publishes; an MTP block (a linear the
+    plan quantizes, a norm, an mHC tensor) is written alongside the embedding, as in a release."""
+    yield native_name(name), t
+    if native_name(name) == "embed.weight":
+        h, g = TINY_CONFIG["hidden_size"], torch.Generator().manual_seed(1)
+        yield "mtp.0.attn.wq_a.weight", torch.randn(TINY_CONFIG["q_lora_rank"], h, generator=g) * 0.05
+        yield "mtp.0.enorm.weight", torch.ones(h)
+        yield "mtp.0.hc_head_base", torch.zeros(TINY_CONFIG["hc_mult"])
 
 
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_w8a8_dynamic_export_parity(tmp_path, evidence_root):
     float_dir = make_tiny(tmp_path / "tiny", seed=2)
-    export = export_w8a8(float_dir, tmp_path / "w8a8", W8A8_PLAN)
+    export = export_w8a8(float_dir, tmp_path / "w8a8", W8A8_PLAN, transform=_native_with_mtp)
     rec = EvidenceRecord(model="deepseek_v4", gate="w8a8_dynamic_parity")
-    rec.command(f"export_w8a8({float_dir}, plan={W8A8_PLAN}); vllm.LLM({export}) float32 (modelslim auto-detected)")
+    rec.command(
+        f"export_w8a8({float_dir}, plan={W8A8_PLAN}, native names + mtp.0.*); vllm.LLM({export}) float32 "
+        "(modelslim auto-detected)"
+    )
+    tensors, desc = load_export(export)
+    labels = {k: v for k, v in desc.items() if k in tensors}
+    published = {
+        "no tensor name carries a `model.` prefix": not any(k.startswith("model.") for k in tensors),
+        "every wo_a and hc_* entry is labelled FLOAT": all(
+            v == "FLOAT" for k, v in labels.items() if ".wo_a." in k or k.rsplit(".", 1)[-1].startswith("hc_")
+        )
+        and any(".wo_a." in k for k in labels)
+        and any(k.rsplit(".", 1)[-1].startswith("hc_") for k in labels),
+        "mtp.* tensors in the shards, each with a description entry (mtp.0.attn.wq_a W8A8_DYNAMIC)": (
+            sorted(k for k in tensors if k.startswith("mtp.")) == sorted(k for k in labels if k.startswith("mtp."))
+            and desc.get("mtp.0.attn.wq_a.weight") == "W8A8_DYNAMIC"
+            and "mtp.0.attn.wq_a.weight_scale" in tensors
+        ),
+    }
+    for what, passed in published.items():
+        rec.check(f"export as published: {what}", passed)
+    assert all(published.values()), published
     ps = prompts((9, 40), seed=5)
     res = vllm_logits(export, [ps], max_tokens=5, llm_kwargs={"max_model_len": 256})[0]
     rep = compare(res, reference_fn(w8a8_reference(float_dir, export)))
@@ -38,6 +73,8 @@ def test_w8a8_dynamic_export_parity(tmp_path, evidence_root):
     rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
     rec.metric("greedy_identical_to_float_model", float_rep.tokens_identical)
     rec.metric("float_model_first_divergence", float_rep.first_divergence)
+    # the strict loader stops on any tensor it neither loads nor skips: serving at all means mtp.* was skipped
+    rec.check("served with mtp.* in the export (skipped on load; unmapped names would stop loading)", True)
     ok = rec.check(
         "logits within 1e-3 of the int8 reference at every position", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}"
     )

@@ -60,7 +60,7 @@ from ascend_adapters.deepseek_v4.config import (
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
-from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer
+from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer, mtp_skip_rules
 
 op = dispatch.op
 
@@ -588,7 +588,8 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
                 f"{name}.experts.{e}.{p}" for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")
             )
     desc = quant_config.description
-    stray = sorted(p for p in desc.quantized_weights() if p not in covered)
+    mtp = [rule.pattern for rule in mtp_skip_rules(model.config)]  # skipped on load, quantized or not
+    stray = sorted(p for p in desc.quantized_weights() if p not in covered and not any(r.search(p) for r in mtp))
     if stray:
         raise ValueError(
             f"{desc.source}: {stray[0]}.weight is {desc.quantized_weights()[stray[0]]}, but the "
