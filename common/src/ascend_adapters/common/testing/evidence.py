@@ -30,7 +30,8 @@ def git_revision(cwd: str | os.PathLike | None = None) -> str | None:
         rev = out.stdout.strip() if out.returncode == 0 else None
         if rev:
             dirty = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
+                # records being written into evidence/ do not make the code they certify "dirty"
+                ["git", "status", "--porcelain", "--untracked-files=no", "--", ":(top)", ":(top,exclude)evidence"],
                 cwd=cwd or Path(__file__).parent,
                 capture_output=True,
                 text=True,
