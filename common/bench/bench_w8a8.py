@@ -142,13 +142,15 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
 
 
 def main(argv=None) -> int:
+    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small shape, few repetitions (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
     ap.add_argument("--tokens", default="1,16,128,512")
     ap.add_argument("--sizes", default="2048,4096,8192", help="K and N values (all combinations)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--evidence-dir", help="also write an evidence record (gate bench-w8a8) under this folder")
+    add_evidence_dir_argument(ap)
     args = ap.parse_args(argv)
     if args.threads:
         import torch

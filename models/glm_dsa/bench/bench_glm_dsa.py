@@ -228,9 +228,11 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
 
 
 def main(argv=None) -> int:
+    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke: contexts 512/2k, fewer tokens, sparse only")
-    ap.add_argument("--evidence-dir", help="write the evidence record under this directory")
+    add_evidence_dir_argument(ap)
     ap.add_argument("--out", help="also write the record as one JSON file here (nox -s bench)")
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="git revision of the served-decode baseline")
     ap.add_argument("--skip-served", action="store_true", help="only the attention-layer part")

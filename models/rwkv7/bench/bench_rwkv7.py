@@ -397,6 +397,8 @@ def run_served(kind, spec, env=None):
 
 
 def main(argv=None) -> int:
+    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shape (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
@@ -414,7 +416,7 @@ def main(argv=None) -> int:
         default="package,prefill_batch,prefix_cache",
         help="comma-separated: package (vLLM vs the rwkv package, items 1-3), prefill_batch, prefix_cache",
     )
-    ap.add_argument("--evidence-dir", help="write the numbers as an evidence record under this directory")
+    add_evidence_dir_argument(ap)
     ap.add_argument("--_rwkv-worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_served-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
