@@ -124,7 +124,21 @@ class DeepseekV4RoutedExperts(RoutedExperts):
         method = super()._get_quant_method(prefix, quant_config, moe_config)
         if isinstance(method, UnquantizedFusedMoEMethod):
             return DeepseekV4FloatMoEMethod(moe_config)
+        if getattr(method, "is_monolithic", False):
+            _route_with_model_router(method)
         return method
+
+
+def _route_with_model_router(method) -> None:
+    """A monolithic quant method gets router logits and would route with the engine's own routing
+    (common's ModelSlim MoE method does so on vLLM 0.27/0.28, which have no CPU router); this model's
+    sqrtsoftplus/hash routing is not expressible there, so route with the model's router instead."""
+
+    def apply_monolithic(layer, x, router_logits, input_ids=None):
+        topk_weights, topk_ids = layer.model_router.select_experts(x, router_logits, input_ids=input_ids)
+        return method.apply(layer, x, topk_weights, topk_ids, None, None)
+
+    method.apply_monolithic = apply_monolithic
 
 
 class DeepseekV4MoE(nn.Module):
@@ -147,6 +161,7 @@ class DeepseekV4MoE(nn.Module):
             self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
             self.gate.e_score_correction_bias = nn.Parameter(torch.zeros(self.n_experts), requires_grad=False)
+        router = DeepseekV4Router(self)
         self.experts = FusedMoEFactory(
             num_experts=self.n_experts,
             top_k=self.top_k,
@@ -155,11 +170,13 @@ class DeepseekV4MoE(nn.Module):
             renormalize=self.normalize,
             quant_config=quant_config,
             prefix=f"{prefix}.experts",
-            router=DeepseekV4Router(self),
+            router=router,
             swiglu_limit=self.limit,
             reduce_results=True,
             routed_experts_cls=DeepseekV4RoutedExperts,
         )
+        # for a monolithic quant method on engines without a CPU router (see _route_with_model_router)
+        self.experts.routed_experts.model_router = router
         shared = inter * max(1, config.n_shared_experts)
         self.shared_experts = nn.Module()
         self.shared_experts.gate_up_proj = MergedColumnParallelLinear(
