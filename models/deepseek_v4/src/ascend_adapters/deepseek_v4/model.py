@@ -25,6 +25,8 @@ reads only positions of its own request that were written before.
 
 from __future__ import annotations
 
+import logging
+import re
 from collections.abc import Iterable
 
 import torch
@@ -32,6 +34,7 @@ from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
+from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -44,10 +47,11 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import (
     LAYER_CSA,
@@ -60,9 +64,18 @@ from ascend_adapters.deepseek_v4.config import (
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
-from ascend_adapters.deepseek_v4.remap import build_remapper, description_renamer, mtp_skip_rules
+from ascend_adapters.deepseek_v4.remap import (
+    EXPERT_DOWN,
+    EXPERT_GATE,
+    EXPERT_UP,
+    MTP_REASON,
+    STACKED_PARAMS,
+    mtp_patterns,
+    weights_mapper,
+)
 
 op = dispatch.op
+logger = logging.getLogger("ascend_adapters")
 
 
 # ---------------------------------------------------------------- state sizing
@@ -484,9 +497,48 @@ class DeepseekV4Model(nn.Module):
         )
         return self.norm(h)
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Mapped names (see remap.py): fused shards and routed experts stacked the vLLM way."""
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        n_experts = self.config.n_routed_experts
+        expert_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name=EXPERT_GATE,
+            ckpt_down_proj_name=EXPERT_DOWN,
+            ckpt_up_proj_name=EXPERT_UP,
+            num_experts=n_experts,
+        )
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            for param_name, shard_name, shard_id in STACKED_PARAMS:
+                if shard_name in name:
+                    target = name.replace(shard_name, param_name)
+                    param = _lookup(params, name, target)
+                    param.weight_loader(param, tensor, shard_id)
+                    break
+            else:
+                if ".experts." in name:
+                    target = _load_routed(params, name, tensor, expert_mapping, n_experts)
+                elif name in buffers:
+                    target = name
+                    _check_shape(name, buffers[name].shape, tensor.shape)
+                    buffers[name].copy_(tensor.to(buffers[name].dtype))
+                else:
+                    target = name
+                    param = _lookup(params, name, name)
+                    loader = getattr(param, "weight_loader", default_weight_loader)
+                    if loader is default_weight_loader:
+                        _check_shape(name, param.shape, tensor.shape)
+                    loader(param, tensor)
+            loaded.add(target)
+        return loaded
+
 
 class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
-    # fused module -> the transformers-internal shard names a ModelSlim description is renamed to
+    # checkpoint names -> this model's; vLLM renames a ModelSlim description with it too
+    hf_to_vllm_mapper = weights_mapper()
+    # fused module -> the shard names its checkpoint tensors (and description entries) keep
     packed_modules_mapping = {"wqkv_a": ["q_a_proj", "kv_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
@@ -494,8 +546,7 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         config = vllm_config.model_config.hf_config
         self.config = config
         quant_config = vllm_config.quant_config
-        if quant_config is not None and getattr(quant_config, "description", None) is not None:
-            quant_config.rename(description_renamer(config))
+        self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
         if quant_config is not None and getattr(quant_config, "description", None) is not None:
             _check_description_covered(self, quant_config)
@@ -532,41 +583,27 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
-        remapper = build_remapper(self.config, lambda n: _owned(n, params, buffers))
         release = getattr(self.config, RELEASE_QUANT_ATTR, None)
         if release is not None:  # DeepSeek's FP8/FP4 release: float weights from here on
             weights = dequantize_release(weights, tuple(release["weight_block_size"]))
-        loaded: set[str] = set()
-        for name, tensor in remapper.apply(weights):
-            target, shard = _split_shard(name)
-            if target in buffers:
-                buf = buffers[target]
-                _check_shape(name, target, tensor.shape, buf.shape)
-                buf.copy_(tensor.to(buf.dtype))
-                loaded.add(target)
-                continue
-            param = params[target]
-            if shard is not None and shard[0] == "expert":
-                _load_expert(param, name, shard[1], shard[2], tensor, self.config.n_routed_experts)
-            elif shard is not None:
-                param.weight_loader(param, tensor, shard[1])
-            else:
-                loader = getattr(param, "weight_loader", None)
-                if loader is None or loader is default_weight_loader:
-                    _check_shape(name, target, tensor.shape, param.shape)
-                    default_weight_loader(param, tensor)
-                else:  # parallel layers: the loader takes this rank's shard and checks its shape
-                    try:
-                        loader(param, tensor)
-                    except (AssertionError, ValueError, RuntimeError) as exc:
-                        raise ValueError(f"checkpoint tensor {name} -> {target}: {exc}") from exc
-            loaded.add(target)
-        remapper.finish()
+        source = _SourceNames(weights, self.hf_to_vllm_mapper)
+        try:
+            loaded = AutoWeightsLoader(self).load_weights(source, mapper=self.hf_to_vllm_mapper)
+        except (AssertionError, ValueError, RuntimeError, KeyError) as exc:
+            raise ValueError(f"checkpoint tensor {source.current}: {exc}") from exc
+        if source.skipped:
+            logger.info(
+                "DeepSeek-V4: skipped %d checkpoint tensor(s) on purpose, %s: %s%s",
+                len(source.skipped),
+                MTP_REASON,
+                source.skipped[:6],
+                " ..." if len(source.skipped) > 6 else "",
+            )
+        # vLLM checks loaded names only for unquantized models, and never buffers: check here.
+        params = {n for n, _ in self.named_parameters()}
         tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
-        missing = sorted(set(params) - loaded - tied)
-        missing += sorted(n for n in set(buffers) - loaded if n.endswith("tid2eid"))
+        missing = sorted(params - loaded - tied)
+        missing += sorted(n for n, _ in self.named_buffers() if n.endswith("tid2eid") and n not in loaded)
         if missing:
             raise ValueError(
                 f"DeepSeek-V4 checkpoint lacks {len(missing)} tensor(s) the model needs: "
@@ -588,7 +625,7 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
                 f"{name}.experts.{e}.{p}" for e in range(mod.n_experts) for p in ("gate_proj", "up_proj", "down_proj")
             )
     desc = quant_config.description
-    mtp = [rule.pattern for rule in mtp_skip_rules(model.config)]  # skipped on load, quantized or not
+    mtp = mtp_patterns(model.config)  # skipped on load, quantized or not
     stray = sorted(p for p in desc.quantized_weights() if p not in covered and not any(r.search(p) for r in mtp))
     if stray:
         raise ValueError(
@@ -598,48 +635,65 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
         )
 
 
-# Internal names with a shard suffix: "<param>#<shard>" (fused q_a/kv, shared gate/up, experts).
-def _split_shard(name: str):
-    if "#" not in name:
-        return name, None
-    target, shard = name.split("#", 1)
-    if shard.startswith("expert:"):
-        _, e, which = shard.split(":")
-        return target, ("expert", e, which)
-    return target, ("merged", int(shard))
+class _SourceNames:
+    """The checkpoint stream, remembering the name being loaded (vLLM's loader reads it lazily, one
+    tensor at a time, so an error raised while loading names the checkpoint tensor) and the names
+    the mapper drops (MTP)."""
+
+    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], mapper):
+        self._weights, self._map = weights, compat.weights_mapper_fn(mapper)
+        self.current: str | None = None
+        self.skipped: list[str] = []
+
+    def __iter__(self):
+        for name, tensor in self._weights:
+            self.current = name
+            if self._map(name) is None:
+                self.skipped.append(name)
+            yield name, tensor
 
 
-def _owned(name: str, params: dict, buffers: dict) -> bool:
-    target, _ = _split_shard(name)
-    return target in params or target in buffers
+def _lookup(params: dict, name: str, target: str) -> torch.nn.Parameter:
+    if target not in params:
+        raise ValueError(f"{name} matches no DeepSeek-V4 parameter (no mapping rule places it)")
+    return params[target]
 
 
-def _check_shape(src: str, target: str, got, want) -> None:
+def _check_shape(target: str, want, got) -> None:
     if tuple(got) != tuple(want):
-        raise ValueError(f"checkpoint tensor {src} -> {target}: shape {tuple(got)} != model {tuple(want)}")
+        raise ValueError(f"-> {target}: shape {tuple(got)} != model {tuple(want)}")
 
 
-def _load_expert(param: torch.Tensor, src: str, e: str, which: str, tensor: torch.Tensor, n_experts: int) -> None:
-    """One checkpoint expert tensor (or a stacked ``all`` tensor) through vLLM's fused-MoE loader.
+_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
 
-    ``which`` is vLLM's shard id: w1 (gate), w3 (up), w2 (down), or w13 for a stacked gate+up.
-    The loader takes this rank's intermediate shard and skips experts placed on other ranks.
-    """
-    loader = param.weight_loader
-    if e == "all":
+
+def _load_routed(params: dict, name: str, tensor: torch.Tensor, expert_mapping, n_experts: int) -> str:
+    """A routed-expert tensor through vLLM's fused-MoE loader (this rank's intermediate shard; experts
+    placed on other ranks skipped): one expert's projection, or transformers' stacked [E, ., .]."""
+    stacked = _STACKED_EXPERTS.search(name)
+    if stacked:
         if tensor.dim() != 3 or tensor.shape[0] != n_experts:
-            raise ValueError(f"checkpoint tensor {src}: shape {tuple(tensor.shape)}, expected [{n_experts}, ., .]")
-        for i in range(n_experts):
-            if which == "w13":
+            raise ValueError(f"shape {tuple(tensor.shape)}, expected [{n_experts}, ., .]")
+        w13 = stacked.group(1) == "gate_up_proj"
+        target = name[: stacked.start()] + (
+            ".experts.routed_experts.w13_weight" if w13 else ".experts.routed_experts.w2_weight"
+        )
+        param = _lookup(params, name, target)
+        for e in range(n_experts):
+            if w13:
                 half = tensor.shape[1] // 2
-                loader(param, tensor[i, :half], src, shard_id="w1", expert_id=i)
-                loader(param, tensor[i, half:], src, shard_id="w3", expert_id=i)
+                param.weight_loader(param, tensor[e, :half], target, shard_id="w1", expert_id=e)
+                param.weight_loader(param, tensor[e, half:], target, shard_id="w3", expert_id=e)
             else:
-                loader(param, tensor[i], src, shard_id=which, expert_id=i)
-        return
-    if int(e) >= n_experts:
-        raise ValueError(f"checkpoint tensor {src}: expert {e} >= n_routed_experts {n_experts}")
-    loader(param, tensor, src, shard_id=which, expert_id=int(e))
+                param.weight_loader(param, tensor[e], target, shard_id="w2", expert_id=e)
+        return target
+    for param_name, weight_name, expert_id, shard_id in expert_mapping:
+        if weight_name in name:
+            target = name.replace(weight_name, param_name)
+            param = _lookup(params, name, target)
+            param.weight_loader(param, tensor, target, shard_id=shard_id, expert_id=expert_id)
+            return target
+    raise ValueError(f"{name} matches no DeepSeek-V4 parameter (expert beyond n_routed_experts {n_experts}?)")
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

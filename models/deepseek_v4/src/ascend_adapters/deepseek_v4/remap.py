@@ -1,4 +1,4 @@
-"""Checkpoint layouts accepted for DeepSeek-V4, as declarative rules for common/remap.
+"""Checkpoint layouts accepted for DeepSeek-V4, as one vLLM ``WeightsMapper`` (``hf_to_vllm_mapper``).
 
 Three layouts reach this model:
 
@@ -9,118 +9,101 @@ Three layouts reach this model:
    ``head``, ``hc_head_fn`` ... and the fused ``fused_wqa_wkv``.
 2. transformers' internal module names (``self_attn.q_a_proj``,
    ``mlp.experts.gate_up_proj`` stacked, ``compressor.indexer.scorer.weights_proj``).
-3. Names of this vLLM model (stage 2 of the chain below).
+3. Names of this vLLM model.
 
-The chain first normalises (1) to (2), then maps (2) to the vLLM model's
-parameters. Fused targets carry a shard suffix ``#k`` (``wqkv_a`` = wq_a rows
-then wkv rows; shared-expert ``gate_up_proj`` = w1 then w3) and routed experts
-``#expert:E:w1|w3|w2`` (vLLM's fused-MoE shard ids; ``E`` = ``all`` for a stacked tensor). MTP-only tensors are skipped on purpose and
-reported; any other name no rule maps is an error.
+The mapper's regex rules apply in order: they first normalise (1) to (2), then
+rename (2) to the vLLM model's modules. Shards of a fused module keep their own
+names (``q_a_proj``/``kv_proj`` of ``wqkv_a``, ``gate_proj``/``up_proj`` of the
+shared expert's ``gate_up_proj``, ``experts.E.gate_proj|up_proj|down_proj`` of
+the routed experts): the model's ``load_weights`` stacks them the vLLM way
+(``STACKED_PARAMS`` and vLLM's fused-MoE expert mapping), and a ModelSlim
+description, renamed by the same mapper through vLLM's ``apply_vllm_mapper``,
+finds them through ``packed_modules_mapping``. MTP-only tensors map to ``None``
+(skipped on purpose; the model logs them); a name the model does not own is an error.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
 
-from ascend_adapters.common.remap import Remapper, rename, skip
+from vllm.model_executor.models.utils import WeightsMapper
 
 MTP_REASON = "multi-token-prediction (MTP) layer: not served by DeepseekV4ForCausalLM"
+MTP_PATTERN = r"^(model\.)?mtp\."
 
 # A linear's tensors: the weight and, in ModelSlim exports, its quantization companions.
 LINEAR_SUFFIX = r"(weight|weight_scale|weight_offset|input_scale|input_offset|deq_scale|quant_bias)"
 S = LINEAR_SUFFIX
 
+# DeepSeek native / transformers-saved names -> transformers' internal names.
+NATIVE_TO_HF: list[tuple[str, str]] = [
+    (r"^embed\.weight$", "model.embed_tokens.weight"),
+    (r"^head\.weight$", "lm_head.weight"),
+    (r"^(layers\.|norm\.weight$|hc_head)", r"model.\1"),
+    (r"^model\.head\.weight$", "lm_head.weight"),
+    (r"^model\.embed\.weight$", "model.embed_tokens.weight"),
+    (r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
+    (r"\.attn\.", ".self_attn."),
+    (r"\.ffn\.", ".mlp."),
+    (r"\.self_attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
+    (r"\.self_attn\.indexer\.(wq_b|weights_proj)\.", r".self_attn.compressor.indexer.\1."),
+    (r"\.attn_norm\.", ".input_layernorm."),
+    (r"\.ffn_norm\.", ".post_attention_layernorm."),
+    (r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
+    (r"\.attn_sink$", ".sinks"),
+    (r"(\.self_attn(?:\.compressor(?:\.indexer)?)?)\.norm\.weight$", r"\1.kv_norm.weight"),
+    (r"\.q_norm\.weight$", ".q_a_norm.weight"),
+    (r"\.ape$", ".position_bias"),
+    (rf"\.wq_a\.{S}$", r".q_a_proj.\1"),
+    (rf"\.wq_b\.{S}$", r".q_b_proj.\1"),
+    (rf"\.wkv\.{S}$", r".kv_proj.\1"),
+    (rf"\.wgate\.{S}$", r".gate_proj.\1"),
+    (rf"\.wo_a\.{S}$", r".o_a_proj.\1"),
+    (rf"\.wo_b\.{S}$", r".o_b_proj.\1"),
+    (r"\.gate\.bias$", ".gate.e_score_correction_bias"),
+    (rf"\.shared_experts\.w1\.{S}$", r".shared_experts.gate_proj.\1"),
+    (rf"\.shared_experts\.w3\.{S}$", r".shared_experts.up_proj.\1"),
+    (rf"\.shared_experts\.w2\.{S}$", r".shared_experts.down_proj.\1"),
+    (rf"\.experts\.(\d+)\.w1\.{S}$", r".experts.\1.gate_proj.\2"),
+    (rf"\.experts\.(\d+)\.w3\.{S}$", r".experts.\1.up_proj.\2"),
+    (rf"\.experts\.(\d+)\.w2\.{S}$", r".experts.\1.down_proj.\2"),
+]
 
-def native_to_hf_rules() -> list:
-    """DeepSeek native / transformers-saved names -> transformers' internal names."""
-    return [
-        rename(r"^embed\.weight$", "model.embed_tokens.weight"),
-        rename(r"^head\.weight$", "lm_head.weight"),
-        rename(r"^(layers\.|norm\.weight$|hc_head)", r"model.\1"),
-        rename(r"^model\.head\.weight$", "lm_head.weight"),
-        rename(r"^model\.embed\.weight$", "model.embed_tokens.weight"),
-        rename(r"\.hc_head_(fn|base|scale)$", r".hc_head.hc_\1"),
-        rename(r"\.attn\.", ".self_attn."),
-        rename(r"\.ffn\.", ".mlp."),
-        rename(r"\.self_attn\.indexer\.compressor\.", ".self_attn.compressor.indexer."),
-        rename(r"\.self_attn\.indexer\.(wq_b|weights_proj)\.", r".self_attn.compressor.indexer.\1."),
-        rename(r"\.attn_norm\.", ".input_layernorm."),
-        rename(r"\.ffn_norm\.", ".post_attention_layernorm."),
-        rename(r"\.hc_(attn|ffn)_(fn|base|scale)$", r".\1_hc.\2"),
-        rename(r"\.attn_sink$", ".sinks"),
-        rename(r"(\.self_attn(?:\.compressor(?:\.indexer)?)?)\.norm\.weight$", r"\1.kv_norm.weight"),
-        rename(r"\.q_norm\.weight$", ".q_a_norm.weight"),
-        rename(r"\.ape$", ".position_bias"),
-        rename(rf"\.wq_a\.{S}$", r".q_a_proj.\1"),
-        rename(rf"\.wq_b\.{S}$", r".q_b_proj.\1"),
-        rename(rf"\.wkv\.{S}$", r".kv_proj.\1"),
-        rename(rf"\.wgate\.{S}$", r".gate_proj.\1"),
-        rename(rf"\.wo_a\.{S}$", r".o_a_proj.\1"),
-        rename(rf"\.wo_b\.{S}$", r".o_b_proj.\1"),
-        rename(r"\.gate\.bias$", ".gate.e_score_correction_bias"),
-        rename(rf"\.shared_experts\.w1\.{S}$", r".shared_experts.gate_proj.\1"),
-        rename(rf"\.shared_experts\.w3\.{S}$", r".shared_experts.up_proj.\1"),
-        rename(rf"\.shared_experts\.w2\.{S}$", r".shared_experts.down_proj.\1"),
-        rename(rf"\.experts\.(\d+)\.w1\.{S}$", r".experts.\1.gate_proj.\2"),
-        rename(rf"\.experts\.(\d+)\.w3\.{S}$", r".experts.\1.up_proj.\2"),
-        rename(rf"\.experts\.(\d+)\.w2\.{S}$", r".experts.\1.down_proj.\2"),
-    ]
+# transformers' internal names -> this vLLM model's modules (renames only; shards keep their names).
+HF_TO_VLLM: list[tuple[str, str]] = [
+    (rf"\.self_attn\.fused_wqa_wkv\.{S}$", r".self_attn.wqkv_a.\1"),
+    (r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj."),
+]
 
+# (fused parameter, checkpoint shard, shard id): vLLM's stacked_params_mapping for this model.
+STACKED_PARAMS: list[tuple[str, str, int]] = [
+    (".self_attn.wqkv_a.", ".self_attn.q_a_proj.", 0),
+    (".self_attn.wqkv_a.", ".self_attn.kv_proj.", 1),
+    (".shared_experts.gate_up_proj.", ".shared_experts.gate_proj.", 0),
+    (".shared_experts.gate_up_proj.", ".shared_experts.up_proj.", 1),
+]
 
-def hf_to_vllm_rules() -> list:
-    """transformers' internal names -> this vLLM model's parameters."""
-    return [
-        rename(rf"\.self_attn\.q_a_proj\.{S}$", r".self_attn.wqkv_a.\1#0"),
-        rename(rf"\.self_attn\.kv_proj\.{S}$", r".self_attn.wqkv_a.\1#1"),
-        rename(rf"\.self_attn\.fused_wqa_wkv\.{S}$", r".self_attn.wqkv_a.\1"),
-        rename(r"\.compressor\.indexer\.scorer\.weights_proj\.", ".compressor.indexer.weights_proj."),
-        rename(rf"\.shared_experts\.gate_proj\.{S}$", r".shared_experts.gate_up_proj.\1#0"),
-        rename(rf"\.shared_experts\.up_proj\.{S}$", r".shared_experts.gate_up_proj.\1#1"),
-        rename(
-            r"\.experts\.(\d+)\.gate_proj\.(weight|weight_scale|weight_offset)$",
-            r".experts.routed_experts.w13_\2#expert:\1:w1",
-        ),
-        rename(
-            r"\.experts\.(\d+)\.up_proj\.(weight|weight_scale|weight_offset)$",
-            r".experts.routed_experts.w13_\2#expert:\1:w3",
-        ),
-        rename(
-            r"\.experts\.(\d+)\.down_proj\.(weight|weight_scale|weight_offset)$",
-            r".experts.routed_experts.w2_\2#expert:\1:w2",
-        ),
-        rename(r"\.experts\.gate_up_proj$", ".experts.routed_experts.w13_weight#expert:all:w13"),
-        rename(r"\.experts\.down_proj$", ".experts.routed_experts.w2_weight#expert:all:w2"),
-    ]
+# checkpoint names of a routed expert's projections (vLLM's fused-MoE shard ids w1, w2, w3)
+EXPERT_GATE, EXPERT_DOWN, EXPERT_UP = "gate_proj", "down_proj", "up_proj"
 
 
-def mtp_skip_rules(config) -> list:
+def mtp_patterns(config=None) -> list[re.Pattern]:
     """MTP tensors: DeepSeek's ``mtp.K.*`` and V3-style extra layers past num_hidden_layers."""
-    rules = [skip(r"^(model\.)?mtp\.", MTP_REASON)]
-    n = int(config.num_hidden_layers)
-    extra = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    pats = [re.compile(MTP_PATTERN)]
+    extra = int(getattr(config, "num_nextn_predict_layers", 0) or 0) if config is not None else 0
     if extra:
+        n = int(config.num_hidden_layers)
         ids = "|".join(str(n + k) for k in range(extra))
-        rules.append(skip(rf"^(model\.)?layers\.({ids})\.", MTP_REASON))
-    return rules
+        pats.append(re.compile(rf"^(model\.)?layers\.({ids})\."))
+    return pats
 
 
-def build_remapper(
-    config, owned: Callable[[str], bool] | None = None, source: str = "DeepSeek-V4 checkpoint"
-) -> Remapper:
-    return Remapper(mtp_skip_rules(config) + native_to_hf_rules() + hf_to_vllm_rules(), targets=owned, source=source)
+def weights_mapper(config=None) -> WeightsMapper:
+    """The model's ``hf_to_vllm_mapper``; with ``config``, extra MTP layers past the served ones are dropped too.
 
-
-def description_renamer(config):
-    """``fn(description key) -> key`` in transformers' internal module names (None: unchanged).
-
-    ModelSlim descriptions use the checkpoint's (native) names; common's ``ModelSlimConfig`` looks
-    layers up by module prefix, and this model's fused modules list their transformers-internal
-    shard names in ``packed_modules_mapping``.
+    The class-level mapper (no config) is what vLLM hands the quantization config; MTP entries of a
+    ModelSlim description need no renaming (nothing looks them up).
     """
-    rem = Remapper(mtp_skip_rules(config) + native_to_hf_rules(), targets=None, source="ModelSlim description")
-
-    def fn(key: str) -> str | None:
-        new, _ = rem.map_name(key)
-        return new
-
-    return fn
+    skips = {p: None for p in mtp_patterns(config)}
+    renames = {re.compile(p): r for p, r in NATIVE_TO_HF + HF_TO_VLLM}
+    return WeightsMapper(orig_to_new_regex={**skips, **renames})
