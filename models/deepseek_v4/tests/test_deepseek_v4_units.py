@@ -1,20 +1,22 @@
-"""Config acceptance, checkpoint remap and kernel checks (no engine; fast).
+"""Config acceptance, checkpoint names and weight loading, kernel checks (no engine start; fast).
 
-Kernels are compared with transformers' own DeepSeek-V4 modules, the independent reference.
+Kernels are compared with transformers' own DeepSeek-V4 modules, the independent reference. Weight
+loading runs on the vLLM model built in this process (vLLM's ``initialize_model``, single-rank gloo
+group), through its ``load_weights`` (vLLM's ``AutoWeightsLoader`` and layer loaders).
 """
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 from _dsv4_cases import make_native_hca128
 
-from ascend_adapters.common.remap import RemapError
 from ascend_adapters.deepseek_v4 import kernels as K
 from ascend_adapters.deepseek_v4.config import load_transformers_config
-from ascend_adapters.deepseek_v4.remap import MTP_REASON, build_remapper
+from ascend_adapters.deepseek_v4.remap import MTP_REASON, weights_mapper
 from ascend_adapters.deepseek_v4.tiny import build_tiny_model, make_tiny, tiny_config
 
 
@@ -86,45 +88,198 @@ def test_bad_config_names_the_field(tmp_path, dirs):
         load_transformers_config(tmp_path)
 
 
-def test_remap_transformers_saved_and_native_names(dirs):
-    cfg = load_transformers_config(dirs["tiny"])
-    seen = []
-    r = build_remapper(cfg, lambda n: seen.append(n) or True)
-    for name in _names(dirs["tiny"]):
-        new, _ = r.map_name(name)
-        assert new is not None
-    r.finish()
-    mapped = set(r.report.mapped.values())
+def test_mapper_transformers_saved_and_native_names(dirs):
+    """Every checkpoint name maps to this model's names; fused shards keep theirs; MTP maps to None."""
+    m = weights_mapper(load_transformers_config(dirs["tiny"]))
+    mapped = {m.map_name(n) for n in _names(dirs["tiny"])}
+    assert None not in mapped
     assert "model.layers.1.self_attn.compressor.indexer.weights_proj.weight" in mapped
     assert "model.layers.2.self_attn.compressor.position_bias" in mapped
     assert "model.layers.0.mlp.gate.tid2eid" in mapped
-    assert "model.layers.1.self_attn.wqkv_a.weight#1" in mapped
-    assert "model.layers.3.mlp.experts.routed_experts.w13_weight#expert:7:w3" in mapped
+    assert "model.layers.1.self_attn.kv_proj.weight" in mapped  # a shard of wqkv_a, stacked on load
+    assert "model.layers.3.mlp.experts.7.up_proj.weight" in mapped  # routed expert, vLLM's expert mapping
     assert "model.hc_head.hc_fn" in mapped and "lm_head.weight" in mapped
 
-    ncfg = load_transformers_config(dirs["native"])
-    r = build_remapper(ncfg, lambda n: True)
-    out = {n: r.map_name(n)[0] for n in _names(dirs["native"])}
-    r.finish()
-    assert set(r.report.skipped) == {"mtp.0.enorm.weight", "mtp.0.e_proj.weight", "mtp.0.attn.wq_a.weight"}
-    assert set(r.report.skipped.values()) == {MTP_REASON}
-    assert r.report.mapped["layers.0.attn.fused_wqa_wkv.weight"] == "model.layers.0.self_attn.wqkv_a.weight"
-    assert r.report.mapped["hc_head_fn"] == "model.hc_head.hc_fn"
-    assert r.report.mapped["embed.weight"] == "model.embed_tokens.weight"
-    assert None not in {k: v for k, v in out.items() if not k.startswith("mtp.")}.values()
+    m = weights_mapper(load_transformers_config(dirs["native"]))
+    out = {n: m.map_name(n) for n in _names(dirs["native"])}
+    assert {n for n, v in out.items() if v is None} == {
+        "mtp.0.enorm.weight",
+        "mtp.0.e_proj.weight",
+        "mtp.0.attn.wq_a.weight",
+    }
+    assert out["layers.0.attn.fused_wqa_wkv.weight"] == "model.layers.0.self_attn.wqkv_a.weight"
+    assert out["hc_head_fn"] == "model.hc_head.hc_fn"
+    assert out["embed.weight"] == "model.embed_tokens.weight"
+    # V3-style MTP layers past num_hidden_layers (config.num_nextn_predict_layers = 1)
+    assert m.map_name("layers.4.attn.wq_a.weight") is None and m.map_name("model.layers.4.ffn.gate.weight") is None
 
 
-def test_remap_unmapped_native_name_is_an_error(dirs):
-    """A native-name tensor that no rule maps to a model parameter stops loading, named."""
-    cfg = load_transformers_config(dirs["native"])
+def test_modelslim_description_renamed_through_vllms_mapper_hook():
+    """vLLM's configure_quant_config hands the class mapper to the quant config (apply_vllm_mapper):
+    native description keys become the module names the layers ask for; MTP entries stay as they are."""
+    from vllm.model_executor.model_loader.utils import configure_quant_config
 
-    def owned(n):  # what the model owns: everything our rules produce for real names
-        return "mystery" not in n and "wq_c" not in n
+    from ascend_adapters.common.quant.config import ModelSlimConfig
+    from ascend_adapters.common.quant.description import Description
+    from ascend_adapters.deepseek_v4.model import DeepseekV4ForCausalLM
 
-    r = build_remapper(cfg, owned)
-    list(r.apply([("layers.1.attn.wq_c.weight", torch.zeros(1)), ("layers.0.attn_norm.weight", torch.zeros(1))]))
-    with pytest.raises(RemapError, match=r"layers\.1\.attn\.wq_c\.weight"):
-        r.finish()
+    qc = ModelSlimConfig(
+        Description.from_dict(
+            {
+                "model.layers.0.attn.wq_b.weight": "W8A8_DYNAMIC",
+                "layers.1.attn.wq_a.weight": "W8A8_DYNAMIC",
+                "model.layers.2.ffn.experts.5.w3.weight": "W8A8_DYNAMIC",
+                "model.layers.3.ffn.shared_experts.w1.weight": "FLOAT",
+                "mtp.0.attn.wq_a.weight": "W8A8_DYNAMIC",
+            }
+        )
+    )
+    configure_quant_config(qc, DeepseekV4ForCausalLM)
+    q = qc.description.quantized_weights()
+    assert {k: v for k, v in q.items() if not k.startswith("mtp.")} == {
+        "model.layers.0.self_attn.q_b_proj": "W8A8_DYNAMIC",
+        "model.layers.1.self_attn.q_a_proj": "W8A8_DYNAMIC",
+        "model.layers.2.mlp.experts.5.up_proj": "W8A8_DYNAMIC",
+    }
+    # MTP entries: kept (0.27/0.28 hand the mapper with its drops) or renamed (0.32 drops the drops)
+    assert [k for k in q if k.startswith("mtp.")] in (["mtp.0.attn.wq_a"], ["mtp.0.self_attn.q_a_proj"])
+    assert qc.shard_prefixes("model.layers.1.self_attn.wqkv_a") == [
+        "model.layers.1.self_attn.q_a_proj",
+        "model.layers.1.self_attn.kv_proj",
+    ]
+    assert qc.description.layer_type("model.layers.3.mlp.shared_experts.gate_proj") == "FLOAT"
+
+
+# -- weight loading on the vLLM model built in this process ----------------------------------------
+@pytest.fixture(scope="module")
+def vllm_model(dirs):
+    """``build(model_dir)`` -> a fresh DeepseekV4ForCausalLM built by vLLM (nothing loaded yet)."""
+    import socket
+
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    from ascend_adapters.deepseek_v4 import register
+
+    register()
+
+    def build(model_dir):
+        mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
+        cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
+        with set_current_vllm_config(cfg):
+            if not torch.distributed.is_initialized():
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", 0))
+                    port = s.getsockname()[1]
+                init_distributed_environment(
+                    world_size=1,
+                    rank=0,
+                    local_rank=0,
+                    distributed_init_method=f"tcp://127.0.0.1:{port}",
+                    backend="gloo",
+                )
+            if not model_parallel_is_initialized():
+                initialize_model_parallel(1, 1)
+            return initialize_model(cfg)
+
+    return build
+
+
+def _tensors(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
+
+
+def _state(model) -> dict:
+    return {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+
+def test_load_stacks_shards_and_experts_the_vllm_way(dirs, vllm_model):
+    t = _tensors(dirs["tiny"])
+    model = vllm_model(dirs["tiny"])
+    loaded = model.load_weights(iter(t.items()))
+    assert {n for n, _ in model.named_parameters()} <= loaded
+    layer = model.model.layers[1]
+    assert torch.equal(
+        layer.self_attn.wqkv_a.weight,
+        torch.cat([t["model.layers.1.attn.wq_a.weight"], t["model.layers.1.attn.wkv.weight"]]),
+    )
+    assert torch.equal(
+        layer.mlp.shared_experts.gate_up_proj.weight,
+        torch.cat([t["model.layers.1.ffn.shared_experts.w1.weight"], t["model.layers.1.ffn.shared_experts.w3.weight"]]),
+    )
+    routed = model.model.layers[3].mlp.experts.routed_experts
+    w1, w3 = t["model.layers.3.ffn.experts.7.w1.weight"], t["model.layers.3.ffn.experts.7.w3.weight"]
+    assert torch.equal(routed.w13_weight[7], torch.cat([w1, w3]))
+    assert torch.equal(routed.w2_weight[7], t["model.layers.3.ffn.experts.7.w2.weight"])
+    assert torch.equal(model.model.layers[0].mlp.gate.tid2eid, t["model.layers.0.ffn.gate.tid2eid"])  # a buffer
+    assert torch.equal(layer.self_attn.compressor.position_bias, t["model.layers.1.attn.compressor.ape"])
+
+
+def test_transformers_internal_names_load_the_same_weights(dirs, vllm_model):
+    """transformers' in-memory names (q_a_proj, stacked experts.gate_up_proj [E, 2I, H] ...) and the
+    saved native names give the same model, tensor for tensor."""
+    from _dsv4_cases import hf_model
+
+    saved = vllm_model(dirs["tiny"])
+    saved.load_weights(iter(_tensors(dirs["tiny"]).items()))
+    internal_sd = hf_model(dirs["tiny"]).state_dict()
+    assert "model.layers.3.mlp.experts.gate_up_proj" in internal_sd  # the stacked layout is exercised
+    internal = vllm_model(dirs["tiny"])
+    internal.load_weights(iter(internal_sd.items()))
+    a, b = _state(saved), _state(internal)
+    assert a.keys() == b.keys()
+    assert [n for n in a if not torch.equal(a[n], b[n])] == []
+
+
+def test_native_layout_skips_mtp_on_purpose_and_says_so(dirs, vllm_model, caplog):
+    import logging
+
+    t = _tensors(dirs["native"])
+    model = vllm_model(dirs["native"])
+    with caplog.at_level(logging.INFO, logger="ascend_adapters"):
+        model.load_weights(iter(t.items()))
+    assert "skipped 3 checkpoint tensor(s) on purpose" in caplog.text and MTP_REASON in caplog.text
+    assert "mtp.0.e_proj.weight" in caplog.text
+    assert torch.equal(model.model.layers[0].self_attn.wqkv_a.weight, t["layers.0.attn.fused_wqa_wkv.weight"])
+
+
+@pytest.mark.parametrize(
+    "extra",
+    ["layers.1.attn.wq_c.weight", "layers.0.attn.wq_b.bias", "mystery.weight", "layers.2.ffn.experts.9.w1.weight"],
+)
+def test_unknown_tensor_is_an_error_naming_it(dirs, vllm_model, extra):
+    t = _tensors(dirs["native"])
+    t[extra] = torch.zeros(4, 4)
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {re.escape(extra)} \(4, 4\): "):
+        vllm_model(dirs["native"]).load_weights(iter(t.items()))
+
+
+@pytest.mark.parametrize(
+    "drop, target",
+    [
+        ("layers.0.ffn.gate.tid2eid", "model.layers.0.mlp.gate.tid2eid"),
+        ("layers.2.attn.wo_b.weight", "model.layers.2.self_attn.o_b_proj.weight"),
+    ],
+)
+def test_missing_tensor_is_an_error_naming_it(dirs, vllm_model, drop, target):
+    t = _tensors(dirs["native"])
+    del t[drop]
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor\(s\) the model needs: \['{re.escape(target)}'\]"):
+        vllm_model(dirs["native"]).load_weights(iter(t.items()))
+
+
+@pytest.mark.parametrize(
+    "name", ["head.weight", "layers.1.hc_attn_fn", "layers.0.ffn.gate.tid2eid", "layers.1.attn.wkv.weight"]
+)
+def test_shape_mismatch_names_the_checkpoint_tensor(dirs, vllm_model, name):
+    t = _tensors(dirs["native"])
+    t[name] = t[name][:-1]
+    with pytest.raises(ValueError, match=rf"checkpoint tensor {re.escape(name)} \("):
+        vllm_model(dirs["native"]).load_weights(iter(t.items()))
 
 
 def test_kernels_match_transformers_modules():

@@ -590,7 +590,7 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         try:
             loaded = AutoWeightsLoader(self).load_weights(source, mapper=self.hf_to_vllm_mapper)
         except (AssertionError, ValueError, RuntimeError, KeyError) as exc:
-            raise ValueError(f"checkpoint tensor {source.current}: {exc}") from exc
+            raise ValueError(f"checkpoint tensor {source.current} {source.shape}: {_detail(exc)}") from exc
         if source.skipped:
             logger.info(
                 "DeepSeek-V4: skipped %d checkpoint tensor(s) on purpose, %s: %s%s",
@@ -643,14 +643,20 @@ class _SourceNames:
     def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], mapper):
         self._weights, self._map = weights, compat.weights_mapper_fn(mapper)
         self.current: str | None = None
+        self.shape: tuple[int, ...] = ()
         self.skipped: list[str] = []
 
     def __iter__(self):
         for name, tensor in self._weights:
-            self.current = name
+            self.current, self.shape = name, tuple(tensor.shape)
             if self._map(name) is None:
                 self.skipped.append(name)
             yield name, tensor
+
+
+def _detail(exc: Exception, limit: int = 400) -> str:
+    text = str(exc) or f"{type(exc).__name__} in vLLM's weight loader (shape or dtype does not fit)"
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _lookup(params: dict, name: str, target: str) -> torch.nn.Parameter:
@@ -661,7 +667,7 @@ def _lookup(params: dict, name: str, target: str) -> torch.nn.Parameter:
 
 def _check_shape(target: str, want, got) -> None:
     if tuple(got) != tuple(want):
-        raise ValueError(f"-> {target}: shape {tuple(got)} != model {tuple(want)}")
+        raise ValueError(f"loads into {target}: shape {tuple(got)} != model {tuple(want)}")
 
 
 _STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
