@@ -90,8 +90,10 @@ def test_bad_config_names_the_field(tmp_path, dirs):
 
 def test_mapper_transformers_saved_and_native_names(dirs):
     """Every checkpoint name maps to this model's names; fused shards keep theirs; MTP maps to None."""
-    m = weights_mapper(load_transformers_config(dirs["tiny"]))
-    mapped = {m.map_name(n) for n in _names(dirs["tiny"])}
+    from ascend_adapters.common.compat import weights_mapper_fn
+
+    m = weights_mapper_fn(weights_mapper(load_transformers_config(dirs["tiny"])))
+    mapped = {m(n) for n in _names(dirs["tiny"])}
     assert None not in mapped
     assert "model.layers.1.self_attn.compressor.indexer.weights_proj.weight" in mapped
     assert "model.layers.2.self_attn.compressor.position_bias" in mapped
@@ -100,8 +102,8 @@ def test_mapper_transformers_saved_and_native_names(dirs):
     assert "model.layers.3.mlp.experts.7.up_proj.weight" in mapped  # routed expert, vLLM's expert mapping
     assert "model.hc_head.hc_fn" in mapped and "lm_head.weight" in mapped
 
-    m = weights_mapper(load_transformers_config(dirs["native"]))
-    out = {n: m.map_name(n) for n in _names(dirs["native"])}
+    m = weights_mapper_fn(weights_mapper(load_transformers_config(dirs["native"])))
+    out = {n: m(n) for n in _names(dirs["native"])}
     assert {n for n, v in out.items() if v is None} == {
         "mtp.0.enorm.weight",
         "mtp.0.e_proj.weight",
@@ -111,7 +113,7 @@ def test_mapper_transformers_saved_and_native_names(dirs):
     assert out["hc_head_fn"] == "model.hc_head.hc_fn"
     assert out["embed.weight"] == "model.embed_tokens.weight"
     # V3-style MTP layers past num_hidden_layers (config.num_nextn_predict_layers = 1)
-    assert m.map_name("layers.4.attn.wq_a.weight") is None and m.map_name("model.layers.4.ffn.gate.weight") is None
+    assert m("layers.4.attn.wq_a.weight") is None and m("model.layers.4.ffn.gate.weight") is None
 
 
 def test_modelslim_description_renamed_through_vllms_mapper_hook():
