@@ -218,16 +218,23 @@ def moe_method_routes() -> bool:
     return _engine_select_experts() is not None
 
 
-def moe_select_experts(layer, x, router_logits):
-    """``(topk_weights, topk_ids)`` for a ``RoutedExperts`` layer, by the engine's own torch routing.
+def moe_select_experts(layer, x, router_logits, input_ids=None):
+    """``(topk_weights, topk_ids)`` for a ``RoutedExperts`` layer on an engine whose MoE runner does not route.
 
-    Only for engines where ``moe_method_routes()`` is True; reads the routing
-    settings the layer was built with (top-k, renormalize, grouped top-k,
-    scoring function, scaling factor, correction bias, custom routing function).
+    Only for engines where ``moe_method_routes()`` is True. A layer that carries its model's own router
+    (``layer.model_router``, with vLLM's router interface ``select_experts(x, router_logits,
+    input_ids=...)``) routes with it: routings the engine's torch routing cannot express (DeepSeek-V4's
+    sqrtsoftplus and token-hash routing) stay the model's, as the 0.32 runner would route them. Any
+    other layer routes by the engine's own torch routing, with the settings the layer was built with
+    (top-k, renormalize, grouped top-k, scoring function, scaling factor, correction bias, custom
+    routing function).
     """
     select = _engine_select_experts()
     if select is None:
         raise RuntimeError("this engine routes MoE layers in its runner; call apply() with its topk_ids")
+    model_router = getattr(layer, "model_router", None)
+    if model_router is not None:
+        return model_router.select_experts(x, router_logits, input_ids=input_ids)
     scale = getattr(layer, "routed_scaling_factor", None)
     return select(
         hidden_states=x,
