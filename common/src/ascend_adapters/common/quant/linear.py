@@ -29,8 +29,8 @@ from vllm.model_executor.parameter import (
 from ascend_adapters.common import dispatch
 from ascend_adapters.common.platform import KernelPath, path_for_device
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
-from ascend_adapters.common.quant.kernels import portable
 from ascend_adapters.common.quant.description import W8A8, W8A8_DYNAMIC, DescriptionError
+from ascend_adapters.common.quant.kernels import portable
 
 logger = logging.getLogger("ascend_adapters")
 
