@@ -20,6 +20,7 @@ raises is not used; float32 models always take the portable ops; ``HCOps.source`
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -32,6 +33,7 @@ from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (regi
 
 POST_MULT = 2.0  # DeepSeek-V4's post-mix multiplier (2 * sigmoid)
 VLLM = "vllm"
+logger = logging.getLogger("ascend_adapters")
 # The activation dtypes vLLM's mHC ops are specified for (their docstrings; 0.32's CPU kernels refuse
 # float32, while 0.27/0.28's torch fallback of the post op would run it unspecified).
 VLLM_DTYPES = (torch.bfloat16, torch.float16)
@@ -81,6 +83,7 @@ def _select(dtype, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: flo
             ops[name], source[name] = fn, VLLM
         else:
             source[name] = f"portable: vLLM's op does not serve this call ({why})"
+    logger.info("ascend_adapters.deepseek_v4: mHC ops for %s, hidden %d: %s", dtype, hidden, source)
     return HCOps(**ops, source=source)
 
 

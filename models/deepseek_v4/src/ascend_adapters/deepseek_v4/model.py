@@ -2,7 +2,8 @@
 
 Reads like vLLM's llama.py: layer classes, then the model, then the causal-LM
 wrapper with ``load_weights``. All math goes through ``kernels`` (portable torch
-behind common's dispatch layer).
+behind common's dispatch layer), except the hyper-connection ops, which ``mhc.py``
+takes from vLLM where the engine's ops serve the call.
 
 Attention state. vLLM's paged attention cannot express DeepSeek-V4 attention
 (shared K=V head, per-head sinks, a sliding window *plus* compressed entries
