@@ -103,9 +103,9 @@ def test_float32_takes_the_portable_ops():
 def test_bf16_takes_vllms_ops_where_the_engine_serves_them():
     ops = _vllm_ops(tiny_config(), torch.bfloat16)
     # pre/post run on every engine here (0.32's CPU kernels; 0.27/0.28 fall back to vLLM's torch
-    # reference); HCHeadOp has a CPU kernel from 0.32 on (0.27/0.28 raise NotImplementedError).
+    # reference); HCHeadOp runs where it has a CPU kernel (0.32), else raises NotImplementedError.
     assert ops.source["pre"] == mhc.VLLM and ops.source["post"] == mhc.VLLM, ops.source
-    if compat.engine_at_least("0.32"):
+    if "forward_cpu" in vars(compat.mhc_op_classes().head):
         assert ops.source["head"] == mhc.VLLM, ops.source
     else:
         assert "NotImplementedError" in ops.source["head"], ops.source
