@@ -141,6 +141,6 @@ def _probe(name, fn, dtype, n, hidden, iters, hc_eps, norm_eps) -> str | None:
             )
             want = [((1, hidden), dtype)]
     except Exception as exc:  # NotImplementedError, a kernel's dtype/eps check, an assertion
-        return " ".join(f"{type(exc).__name__}: {exc}".split())
+        return " ".join(f"{type(exc).__name__}: {exc}".split()).rstrip(":")
     got = [(tuple(t.shape), t.dtype) for t in (out if isinstance(out, tuple) else (out,))]
     return None if got == want else f"returned {got}, expected {want}"
