@@ -81,3 +81,12 @@ def test_modelslim_moe_method_is_monolithic_exactly_where_the_engine_needs_it():
     assert ModelSlimW8A8DynamicMoEMethod.is_monolithic.fget(object.__new__(ModelSlimW8A8DynamicMoEMethod)) is (
         compat.moe_method_routes()
     )
+
+
+def test_mhc_op_classes_are_vllms_custom_ops():
+    from vllm.model_executor.custom_op import CustomOp
+
+    classes = compat.mhc_op_classes()
+    assert classes is not None  # vllm.model_executor.layers.mhc exists in 0.27.1, 0.28.0 and 0.32
+    for cls, name in ((classes.pre, "MHCPreOp"), (classes.post, "MHCPostOp"), (classes.head, "HCHeadOp")):
+        assert issubclass(cls, CustomOp) and cls.__name__ == name
