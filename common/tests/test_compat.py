@@ -105,3 +105,12 @@ def test_moe_select_experts_prefers_the_layers_model_router(monkeypatch):
     weights, topk = compat.moe_select_experts(layer, torch.zeros(2, 4), torch.zeros(2, 8), input_ids=ids)
     assert torch.equal(topk, torch.tensor([[7, 3], [7, 3]], dtype=torch.int32))
     assert torch.equal(weights, torch.full((2, 2), 0.5)) and seen["input_ids"] is ids
+
+
+def test_mhc_op_classes_are_vllms_custom_ops():
+    from vllm.model_executor.custom_op import CustomOp
+
+    classes = compat.mhc_op_classes()
+    assert classes is not None  # vllm.model_executor.layers.mhc exists in 0.27.1, 0.28.0 and 0.32
+    for cls, name in ((classes.pre, "MHCPreOp"), (classes.post, "MHCPostOp"), (classes.head, "HCHeadOp")):
+        assert issubclass(cls, CustomOp) and cls.__name__ == name

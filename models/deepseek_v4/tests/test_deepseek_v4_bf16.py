@@ -9,7 +9,9 @@ bfloat16 linear (dtype mismatch, the failure REFERENCE recorded); ``torch.autoca
 bfloat16)`` supplies the bfloat16 cast at those linear inputs, nothing else changes.
 
 Bound, from bfloat16 rounding (u = 2^-8): both sides compute the same function from the same
-bfloat16 weights and differ only in where and in which order they round. How far rounding moves
+bfloat16 weights and differ only in where and in which order they round (on engines whose mHC ops
+serve bfloat16, ``mhc.py`` serves mHC with vLLM's: its post op adds in float32 and rounds once,
+where transformers rounds ``post``/``comb`` to bfloat16 first). How far rounding moves
 this model's logits is measured on the independent side: ``E`` = max |transformers bf16 -
 transformers fp32| over the compared positions. A second bfloat16 implementation that rounds
 comparably is within ``E`` of the float32 result too, so the two bfloat16 runs differ by at most

@@ -318,3 +318,35 @@ def enable_cpu_mamba_state_copy() -> bool:
     batch_memcpy._ascend_adapters_cpu = True
     mamba_utils.batch_memcpy = batch_memcpy
     return True
+
+
+# -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MhcOpClasses:
+    """vLLM's mHC CustomOp classes (``vllm.model_executor.layers.mhc``)."""
+
+    pre: type  # MHCPreOp
+    post: type  # MHCPostOp
+    head: type  # HCHeadOp
+
+
+def mhc_op_classes() -> MhcOpClasses | None:
+    """vLLM's DeepSeek-V4 hyper-connection ops ``MHCPreOp`` / ``MHCPostOp`` / ``HCHeadOp``, or None.
+
+    The module and the three classes exist in vLLM 0.27.1, 0.28.0 and 0.32 with the same call
+    signatures. What they run differs by engine and platform (CustomOp dispatch): vLLM 0.32 has
+    ``forward_cpu`` kernels (bf16/fp16 activations, float32 ``fn``/``scale``/``base``); 0.27/0.28
+    on CPU fall back to ``forward_native`` (a bf16-only torch reference for pre/post, and
+    ``HCHeadOp`` raises NotImplementedError); a platform plugin substitutes its own kernels
+    (``forward_oot``). Whether an op serves a given call is therefore for the caller to find out.
+    """
+    try:
+        from vllm.model_executor.layers import mhc
+    except Exception:  # engine without the module (or one that fails to import on this platform)
+        return None
+    try:
+        return MhcOpClasses(pre=mhc.MHCPreOp, post=mhc.MHCPostOp, head=mhc.HCHeadOp)
+    except AttributeError:
+        return None
