@@ -24,7 +24,7 @@ ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kerne
 EXTRA_ROOMS = {
     "rwkv7": {"tokenizer.py", "convert.py"},
     "glm_dsa": {"arch.py", "backend.py"},
-    "deepseek_v4": {"moe.py", "dequant.py", "memory.py"},
+    "deepseek_v4": {"moe.py", "dequant.py", "memory.py", "mhc.py"},
 }
 HEAVY = ("torch", "vllm", "transformers", "torch_npu")
 VERSION_NAMES = {"engine_version", "engine_at_least"}

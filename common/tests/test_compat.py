@@ -81,3 +81,36 @@ def test_modelslim_moe_method_is_monolithic_exactly_where_the_engine_needs_it():
     assert ModelSlimW8A8DynamicMoEMethod.is_monolithic.fget(object.__new__(ModelSlimW8A8DynamicMoEMethod)) is (
         compat.moe_method_routes()
     )
+
+
+def test_moe_select_experts_prefers_the_layers_model_router(monkeypatch):
+    """A layer that carries its model's router (DeepSeek-V4's sqrtsoftplus/hash routing) routes with it on
+    an engine without a CPU router; the engine's routing is not consulted. (The engine's torch routing is
+    replaced by one that fails, so this runs on every engine.)"""
+
+    def engine_routing(**kwargs):
+        raise AssertionError("the engine's routing was used for a layer with its own router")
+
+    monkeypatch.setattr(compat, "_engine_select_experts", lambda: engine_routing)
+    seen = {}
+
+    class ModelRouter:
+        def select_experts(self, x, router_logits, input_ids=None):
+            seen["input_ids"] = input_ids
+            return torch.full((x.shape[0], 2), 0.5), torch.tensor([[7, 3]] * x.shape[0], dtype=torch.int32)
+
+    layer = _routing_layer()
+    layer.model_router = ModelRouter()
+    ids = torch.tensor([4, 9])
+    weights, topk = compat.moe_select_experts(layer, torch.zeros(2, 4), torch.zeros(2, 8), input_ids=ids)
+    assert torch.equal(topk, torch.tensor([[7, 3], [7, 3]], dtype=torch.int32))
+    assert torch.equal(weights, torch.full((2, 2), 0.5)) and seen["input_ids"] is ids
+
+
+def test_mhc_op_classes_are_vllms_custom_ops():
+    from vllm.model_executor.custom_op import CustomOp
+
+    classes = compat.mhc_op_classes()
+    assert classes is not None  # vllm.model_executor.layers.mhc exists in 0.27.1, 0.28.0 and 0.32
+    for cls, name in ((classes.pre, "MHCPreOp"), (classes.post, "MHCPostOp"), (classes.head, "HCHeadOp")):
+        assert issubclass(cls, CustomOp) and cls.__name__ == name

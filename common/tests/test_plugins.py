@@ -74,3 +74,24 @@ def test_hook_is_lazy_in_a_fresh_process(hook):
     assert not res["hook_imports_torch"] and not res["hook_imports_vllm"], res
     assert res["targets_imported"] == [], res
     assert res["heavy_imported"] == [], res
+
+
+@pytest.mark.parametrize("hook", HOOKS, ids=lambda e: e.name)
+def test_status_notes_name_a_function_returning_lines(hook):
+    """A hook's optional ``STATUS_NOTES`` is a lazy "module:function" whose lines ``status`` prints."""
+    from ascend_adapters.common.registry import status_notes
+
+    spec = getattr(importlib.import_module(hook.value.split(":")[0]), "STATUS_NOTES", None)
+    if spec is None:
+        return
+    assert isinstance(spec, str) and spec.count(":") == 1 and spec.startswith("ascend_adapters."), spec
+    lines = status_notes(spec)
+    assert lines and all(isinstance(x, str) and x for x in lines), lines
+    assert not lines[0].startswith(f"status notes {spec} unavailable"), lines
+
+
+def test_status_notes_failure_is_one_line():
+    from ascend_adapters.common.registry import status_notes
+
+    (line,) = status_notes("ascend_adapters.common.registry:no_such_function")
+    assert line.startswith("status notes ascend_adapters.common.registry:no_such_function unavailable (AttributeError")

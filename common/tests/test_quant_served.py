@@ -15,6 +15,7 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
+from ascend_adapters.common import compat  # noqa: E402
 from ascend_adapters.common.testing.evidence import EvidenceRecord  # noqa: E402
 from ascend_adapters.common.testing.modelslim import (  # noqa: E402
     msmodelslim_executable,
@@ -104,8 +105,27 @@ def test_msmodelslim_export_served_parity(exports, float_reference, mode, eviden
     llm_kwargs = {"quantization": "modelslim"}
     rec.command(f"vllm.LLM(model=<{mode} export>, quantization='modelslim', dtype='float32', enforce_eager=True)")
     # One engine: the prompts batched, then the longest alone (batch invariance of the quantized path).
-    runs = vllm_logits(export, [prompts, [prompts[-1]]], max_tokens=MAX_TOKENS, llm_kwargs=llm_kwargs)
+    runs, storage = vllm_logits(
+        export,
+        [prompts, [prompts[-1]]],
+        max_tokens=MAX_TOKENS,
+        llm_kwargs=llm_kwargs,
+        probe="ascend_adapters.common.testing.modelslim:dynamic_linear_storage",
+    )
     batched, single = runs
+    ok_storage = True
+    if mode == "dynamic":
+        # On an engine with its own int8 GEMM every dynamic linear is served from the engine's prepacked
+        # copy and the plain int8 weight is released (resident weights ~0.5x bf16, not 1.0x).
+        expect_engine = compat.cpu_int8_gemm() is not None
+        rec.metric("dynamic_linear_storage", storage)
+        ok_storage = rec.check(
+            "W8A8_DYNAMIC linears keep one weight copy",
+            storage[0]["layers"] > 0
+            and storage[0]["engine_prepacked"] == (storage[0]["layers"] if expect_engine else 0)
+            and storage[0]["plain_weight_kept"] == (0 if expect_engine else storage[0]["layers"]),
+            {"engine_int8_gemm": expect_engine, "storage": storage},
+        )
 
     quant_ref = _reference(patch_linears(_hf_model(export), export))
     rep = compare(batched, quant_ref)
@@ -139,6 +159,7 @@ def test_msmodelslim_export_served_parity(exports, float_reference, mode, eviden
     assert ok_a, rep.as_dict()
     assert ok_batch, bdiff
     assert ok_b, fl
+    assert ok_storage, storage
 
 
 def _autoselect_chain_broken() -> str | None:

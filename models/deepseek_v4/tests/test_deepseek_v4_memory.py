@@ -40,3 +40,27 @@ def test_concurrency_table_shrinks_with_length():
             <= free
             < (r["concurrency"] + 1) * r["state_bytes_per_sequence"]
         )
+
+
+def test_status_prints_the_memory_lines():
+    """``ascend-adapters status`` (the installed adapter's hook, STATUS_NOTES) prints memory.py's lines."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ}
+    env.pop("ASCEND_ADAPTERS_DEEPSEEK_V4", None)  # default: the adapter serves it on CPU
+    out = subprocess.run(
+        [sys.executable, "-m", "ascend_adapters.common.cli", "status"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    block = text[text.index("  DeepseekV4ForCausalLM: adapter") :].splitlines()
+    notes = M.status_notes()
+    assert block[1 : 1 + len(notes)] == [f"    {line}" for line in notes], text
+    for r, line in zip(M.flash_table(), notes[1:]):
+        assert f" {r['concurrency']} sequence(s) per device" in line, line

@@ -28,6 +28,7 @@ import pytest
 import torch
 from _glm_dsa_ref import _index_scores, build, random_prompts
 
+from ascend_adapters.common.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
 from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.common.testing.parity import vllm_logits
 
@@ -104,62 +105,23 @@ def _serve_and_compare(ckpt, hooks=None):
     seqs = [s.positions_ids for s in res]
     r16, gaps = _reference(ckpt, seqs, torch.bfloat16, hooks)
     r32, _ = _reference(ckpt, seqs, torch.float32)
-    per_seq = []
-    for s, a, b in zip(res, r16, r32):
-        got = s.logits.float()[:, : a.shape[-1]]
-        assert got.shape == a.shape and torch.isfinite(got).all()
-        per_seq.append({"served": got, "r16": a, "r32": b, "prompt_len": len(s.prompt_ids), "gen": s.gen_ids})
-    return per_seq, gaps
-
-
-def _greedy_divergences(per_seq, bound):
-    out = []
-    for p in per_seq:
-        t = p["prompt_len"]
-        for j, tok in enumerate(p["gen"]):
-            want = int(p["r16"][t - 1 + j].argmax())
-            if tok != want:
-                gap = float(p["r16"][t - 1 + j, want] - p["r16"][t - 1 + j, tok])
-                out.append({"prompt_len": t, "step": j, "served": tok, "reference": want, "gap": gap,
-                            "near_tie": gap <= bound})  # fmt: skip
-                break
-    return out
+    return paired_sequences(res, r16, r32), gaps
 
 
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory):
     ckpt = build(tmp_path_factory.mktemp("glmbf16"), "continuous", **CONTINUOUS)
     per_seq, _ = _serve_and_compare(ckpt)
-    return {
-        "per_seq": per_seq,
-        "E": max(float((p["r16"] - p["r32"]).abs().max()) for p in per_seq),
-        "scale": max(float(p["r32"].abs().max()) for p in per_seq),
-    }
+    return rounding_scale(per_seq)
 
 
 def test_bfloat16_continuous_every_position_within_rounding(continuous, evidence_root):
     rec = EvidenceRecord(model="glm_dsa", gate="bfloat16_vs_transformers_bf16_continuous")
     rec.command(f"make_tiny({CONTINUOUS}) + released extras; vllm.LLM(dir, {LLM_KWARGS}) greedy {MAX_TOKENS}")
     rec.command("transformers GlmMoeDsaForCausalLM(dtype=bfloat16, eager) on the served ids; dtype=float32 for E")
-    E, bound = continuous["E"], 2 * continuous["E"]
-    per_pos = torch.cat([(p["served"] - p["r16"]).abs().amax(-1) for p in continuous["per_seq"]])
-    vs32 = max(float((p["served"] - p["r32"]).abs().max()) for p in continuous["per_seq"])
-    ties = _greedy_divergences(continuous["per_seq"], bound)
-    rec.metric("prompt_lengths", list(LENGTHS))
-    rec.metric("positions", int(per_pos.numel()))
-    rec.metric("transformers_bf16_vs_fp32_max_abs_diff_E", E)
-    rec.metric("max_abs_logit_diff_vs_transformers_bf16", float(per_pos.max()))
-    rec.metric("median_position_max_abs_diff", float(per_pos.median()))
-    rec.metric("served_bf16_vs_transformers_fp32_max_abs_diff", vs32)
-    rec.metric("max_abs_logit_fp32", continuous["scale"])
-    rec.metric("greedy_divergences", ties)
-    ok = rec.check(f"every position within 2 E = {bound:.4g}", float(per_pos.max()) <= bound,
-                   {"positions_over": int((per_pos > bound).sum())})  # fmt: skip
-    ok_t = rec.check("greedy tokens identical or differ at a near-tie (top-2 gap <= 2 E)",
-                     all(t["near_tie"] for t in ties), ties)  # fmt: skip
+    ok = check_continuous(rec, continuous, LENGTHS)
     rec.write(evidence_root)
-    print(f"glm continuous: max {float(per_pos.max()):.4g} vs 2E {bound:.4g} (E {E:.4g}); vs fp32 {vs32:.4g}; {ties}")
-    assert ok and ok_t, rec.checks
+    assert ok, rec.checks
 
 
 def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, evidence_root):
@@ -168,28 +130,6 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
     rec.command(f"make_tiny() (2 groups, top-2 of 8, index_topk 8); vllm.LLM(dir, {LLM_KWARGS}) greedy {MAX_TOKENS}")
     rec.command("transformers bf16 with forward hooks on every TopkRouter and Indexer: decision gaps per position")
     per_seq, gaps = _serve_and_compare(ckpt, _decision_hooks)
-    bound = 2 * continuous["E"]
-    rel_tie = bound / continuous["scale"]
-    rows, ok_all = [], True
-    for p, rec_gaps in zip(per_seq, gaps):
-        n = p["r16"].shape[0]
-        dev = (p["served"] - p["r16"]).abs().amax(-1)
-        tie = torch.zeros(n, dtype=torch.bool)
-        for g in rec_gaps:
-            tie |= g[:n] <= rel_tie
-        first_tie = int(tie.nonzero()[0]) if tie.any() else n
-        over = (dev > bound).nonzero().flatten().tolist()
-        first_over = over[0] if over else None
-        ok = first_over is None or first_over >= first_tie
-        ok_all &= ok
-        rows.append({"prompt_len": p["prompt_len"], "positions": n, "positions_within_2E": n - len(over),
-                     "first_over": first_over, "first_near_tie": first_tie, "near_tie_positions": int(tie.sum()),
-                     "max_abs_diff": float(dev.max()), "ok": ok})  # fmt: skip
-    rec.metric("bound_2E_from_continuous", bound)
-    rec.metric("relative_near_tie_threshold", rel_tie)
-    rec.metric("per_sequence", rows)
-    rec.metric("greedy_divergences", _greedy_divergences(per_seq, bound))
-    rec.check("in every sequence, no position beyond 2 E before the first near-tie decision", ok_all, rows)
+    ok = check_discrete(rec, continuous, per_seq, gaps)
     rec.write(evidence_root)
-    print(f"glm discrete: bound {bound:.4g}, rel tie {rel_tie:.3g}: {rows}")
-    assert ok_all, rows
+    assert ok, rec.checks

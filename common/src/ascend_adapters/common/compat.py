@@ -218,16 +218,23 @@ def moe_method_routes() -> bool:
     return _engine_select_experts() is not None
 
 
-def moe_select_experts(layer, x, router_logits):
-    """``(topk_weights, topk_ids)`` for a ``RoutedExperts`` layer, by the engine's own torch routing.
+def moe_select_experts(layer, x, router_logits, input_ids=None):
+    """``(topk_weights, topk_ids)`` for a ``RoutedExperts`` layer on an engine whose MoE runner does not route.
 
-    Only for engines where ``moe_method_routes()`` is True; reads the routing
-    settings the layer was built with (top-k, renormalize, grouped top-k,
-    scoring function, scaling factor, correction bias, custom routing function).
+    Only for engines where ``moe_method_routes()`` is True. A layer that carries its model's own router
+    (``layer.model_router``, with vLLM's router interface ``select_experts(x, router_logits,
+    input_ids=...)``) routes with it: routings the engine's torch routing cannot express (DeepSeek-V4's
+    sqrtsoftplus and token-hash routing) stay the model's, as the 0.32 runner would route them. Any
+    other layer routes by the engine's own torch routing, with the settings the layer was built with
+    (top-k, renormalize, grouped top-k, scoring function, scaling factor, correction bias, custom
+    routing function).
     """
     select = _engine_select_experts()
     if select is None:
         raise RuntimeError("this engine routes MoE layers in its runner; call apply() with its topk_ids")
+    model_router = getattr(layer, "model_router", None)
+    if model_router is not None:
+        return model_router.select_experts(x, router_logits, input_ids=input_ids)
     scale = getattr(layer, "routed_scaling_factor", None)
     return select(
         hidden_states=x,
@@ -311,3 +318,35 @@ def enable_cpu_mamba_state_copy() -> bool:
     batch_memcpy._ascend_adapters_cpu = True
     mamba_utils.batch_memcpy = batch_memcpy
     return True
+
+
+# -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class MhcOpClasses:
+    """vLLM's mHC CustomOp classes (``vllm.model_executor.layers.mhc``)."""
+
+    pre: type  # MHCPreOp
+    post: type  # MHCPostOp
+    head: type  # HCHeadOp
+
+
+def mhc_op_classes() -> MhcOpClasses | None:
+    """vLLM's DeepSeek-V4 hyper-connection ops ``MHCPreOp`` / ``MHCPostOp`` / ``HCHeadOp``, or None.
+
+    The module and the three classes exist in vLLM 0.27.1, 0.28.0 and 0.32 with the same call
+    signatures. What they run differs by engine and platform (CustomOp dispatch): vLLM 0.32 has
+    ``forward_cpu`` kernels (bf16/fp16 activations, float32 ``fn``/``scale``/``base``); 0.27/0.28
+    on CPU fall back to ``forward_native`` (a bf16-only torch reference for pre/post, and
+    ``HCHeadOp`` raises NotImplementedError); a platform plugin substitutes its own kernels
+    (``forward_oot``). Whether an op serves a given call is therefore for the caller to find out.
+    """
+    try:
+        from vllm.model_executor.layers import mhc
+    except Exception:  # engine without the module (or one that fails to import on this platform)
+        return None
+    try:
+        return MhcOpClasses(pre=mhc.MHCPreOp, post=mhc.MHCPostOp, head=mhc.HCHeadOp)
+    except AttributeError:
+        return None

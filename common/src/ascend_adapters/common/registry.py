@@ -268,13 +268,33 @@ def serving_report(load_plugins: bool = True) -> list[dict]:
         if not module_name.startswith("ascend_adapters.") or module_name.startswith("ascend_adapters.common"):
             continue
         try:
-            archs = getattr(importlib.import_module(module_name), "ARCHITECTURES", {})
+            hook_module = importlib.import_module(module_name)
+            archs = getattr(hook_module, "ARCHITECTURES", {})
         except Exception as exc:  # status must always answer
             rows.append({"arch": None, "adapter": module_name, "serves": "error", "target": None, "why": repr(exc)})
             continue
         for arch, ours in archs.items():
-            rows.append(_row(arch, ours, module_name))
+            row = _row(arch, ours, module_name)
+            if row["serves"] == ADAPTER and getattr(hook_module, "STATUS_NOTES", None):
+                row["notes"] = status_notes(hook_module.STATUS_NOTES)
+            rows.append(row)
     return rows
+
+
+def status_notes(spec: str) -> list[str]:
+    """The lines an adapter adds to ``status`` under each architecture it serves.
+
+    An adapter's hook module may set ``STATUS_NOTES = "module:function"`` (a string, so importing
+    the hook stays cheap); ``function()`` returns a list of lines. A failure becomes one line.
+    """
+    import importlib
+
+    try:
+        module_name, _, attr = spec.partition(":")
+        lines = getattr(importlib.import_module(module_name), attr)()
+        return [str(line) for line in lines]
+    except Exception as exc:  # status must always answer
+        return [f"status notes {spec} unavailable ({type(exc).__name__}: {exc})"]
 
 
 def _row(arch: str, ours: str, module_name: str) -> dict:

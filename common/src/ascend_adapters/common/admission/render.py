@@ -165,6 +165,7 @@ def format_status(st: dict) -> str:
     lines.append("architectures (native first):")
     for r in st.get("serving") or []:
         lines.append(f"  {r['arch']}: {r['serves']} {r['target'] or ''} ({r['why']})")
+        lines.extend(f"    {note}" for note in r.get("notes") or [])
     q = st.get("quantization")
     if q:
         lines.append(f"quantization of {q['model_dir']}: {q['method'] or 'none from this project'} ({q['why']})")

@@ -27,8 +27,10 @@ from vllm.model_executor.parameter import (
 )
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common.platform import KernelPath, path_for_device
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import W8A8, W8A8_DYNAMIC, DescriptionError
+from ascend_adapters.common.quant.kernels import portable
 
 logger = logging.getLogger("ascend_adapters")
 
@@ -153,9 +155,22 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         if not torch.isfinite(scale).all():
             raise DescriptionError(f"{self.prefix}.weight_scale: contains non-finite values")
         _replace(layer, "weight_scale", scale.contiguous())
-        _replace(layer, "weight", dispatch.op("modelslim.pack_weight")(layer.weight.data))
+        weight = dispatch.op("modelslim.pack_weight")(layer.weight.data)
+        engine = None
+        if path_for_device(weight.device.type) is KernelPath.PORTABLE:
+            engine = portable.engine_int8_linear(weight, layer.weight_scale)
+        if engine is not None:
+            # the engine keeps its own prepacked copy: release the plain weight, as vLLM's CPU W8A8 kernel does
+            layer.modelslim_engine_linear = engine
+            delattr(layer, "weight")
+            layer.register_parameter("weight", None)
+        else:
+            layer.modelslim_engine_linear = None
+            _replace(layer, "weight", weight)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if layer.modelslim_engine_linear is not None:
+            return layer.modelslim_engine_linear(x, bias)
         return dispatch.op("modelslim.w8a8_dynamic_linear")(x, layer.weight, layer.weight_scale, bias)
 
 

@@ -139,7 +139,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
         return compat.moe_method_routes()
 
     def apply_monolithic(self, layer, x: torch.Tensor, router_logits: torch.Tensor, input_ids=None) -> torch.Tensor:
-        topk_weights, topk_ids = compat.moe_select_experts(layer, x, router_logits)
+        topk_weights, topk_ids = compat.moe_select_experts(layer, x, router_logits, input_ids)
         return self.apply(layer, x, topk_weights, topk_ids, None, None)
 
     def apply(

@@ -465,3 +465,21 @@ def _module_class():
             return self.ref(x)
 
     return ReferenceLinearModule
+
+
+def dynamic_linear_storage(model) -> dict:
+    """How a served model keeps its W8A8_DYNAMIC linear weights (a probe for ``parity.vllm_logits``).
+
+    ``layers``: linears with the ModelSlim dynamic method; ``engine_prepacked``: those served by the
+    engine's prepacked GEMM; ``plain_weight_kept``: those still holding a plain int8 ``weight``.
+    """
+    from ascend_adapters.common.quant.linear import ModelSlimW8A8DynamicLinearMethod
+
+    out = {"layers": 0, "engine_prepacked": 0, "plain_weight_kept": 0}
+    for module in model.modules():
+        if not isinstance(getattr(module, "quant_method", None), ModelSlimW8A8DynamicLinearMethod):
+            continue
+        out["layers"] += 1
+        out["engine_prepacked"] += getattr(module, "modelslim_engine_linear", None) is not None
+        out["plain_weight_kept"] += getattr(module, "weight", None) is not None
+    return out

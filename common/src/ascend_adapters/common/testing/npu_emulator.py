@@ -430,16 +430,7 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
 def as_module() -> types.ModuleType:
     """This emulator as a module object named ``torch_npu``."""
     mod = types.ModuleType("torch_npu", __doc__)
-    for name in (
-        "IS_CONTRACT_EMULATOR",
-        "NpuContractError",
-        "npu_dynamic_quant",
-        "npu_quantize",
-        "npu_quant_matmul",
-        "npu_grouped_matmul",
-        "npu_swiglu",
-        "npu_rotary_mul",
-    ):
+    for name in __all__:
         setattr(mod, name, globals()[name])
     return mod
 

@@ -62,12 +62,16 @@ def vllm_logits(
     llm_kwargs: dict | None = None,
     env: dict | None = None,
     timeout: float = 900.0,
-) -> list[list[SeqLogits]]:
+    probe: str | None = None,
+):
     """Greedy-generate ``max_tokens`` for each prompt with raw logits.
 
     ``runs`` is a list of batches; each batch is submitted as one
     ``LLM.generate`` call to the same engine (so one start-up serves e.g. a
-    batched run and the same prompts one by one).
+    batched run and the same prompts one by one). With ``probe``
+    (``"module:function"``, run on each worker's model through ``LLM.apply_model``
+    after the runs; it returns something JSON-serialisable) the result is
+    ``(runs, probe results)``.
     """
     import torch
 
@@ -76,6 +80,7 @@ def vllm_logits(
         "runs": [[list(map(int, p)) for p in batch] for batch in runs],
         "max_tokens": max_tokens,
         "llm_kwargs": {**DEFAULT_LLM_KWARGS, **(llm_kwargs or {})},
+        "probe": probe,
     }
     with tempfile.TemporaryDirectory(prefix="parity-") as tmp:
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
@@ -90,7 +95,8 @@ def vllm_logits(
         if proc.returncode != 0 or not out_path.exists():
             raise ParityWorkerError(proc.returncode, proc.stdout + proc.stderr)
         raw = torch.load(out_path)
-    return [[SeqLogits(r["prompt_ids"], r["gen_ids"], r["logits"]) for r in batch] for batch in raw]
+    results = [[SeqLogits(r["prompt_ids"], r["gen_ids"], r["logits"]) for r in batch] for batch in raw["runs"]]
+    return (results, raw["probe"]) if probe is not None else results
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 
@@ -21,6 +22,8 @@ def main(spec_path: str, out_path: str) -> int:
     from vllm import LLM, SamplingParams
 
     spec = json.loads(open(spec_path).read())
+    if spec.get("probe"):  # LLM.apply_model ships the probe function to the engine core by pickle
+        os.environ["VLLM_ALLOW_INSECURE_SERIALIZATION"] = "1"
     llm = LLM(
         model=spec["model"], skip_tokenizer_init=True, logprobs_mode="raw_logits", max_logprobs=-1, **spec["llm_kwargs"]
     )
@@ -46,7 +49,13 @@ def main(spec_path: str, out_path: str) -> int:
                 raise RuntimeError("vLLM returned fewer logprobs than the vocabulary size")
             rows.append({"prompt_ids": prompt, "gen_ids": list(comp.token_ids), "logits": logits})
         out.append(rows)
-    torch.save(out, out_path)
+    probed = None
+    if spec.get("probe"):
+        import importlib
+
+        module, fn = spec["probe"].split(":")
+        probed = llm.apply_model(getattr(importlib.import_module(module), fn))
+    torch.save({"runs": out, "probe": probed}, out_path)
     return 0
 
 

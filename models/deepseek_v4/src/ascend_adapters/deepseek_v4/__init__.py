@@ -14,7 +14,8 @@ cheap: lazy "module:Class" registration, no torch import. It registers
   transformers-saved layout and DeepSeek's native keys) and hands every other
   model to vLLM's stock parser unchanged;
 * the start-up policy (``policy.py``, on vLLM's per-architecture config hook):
-  state sizing, limits, prefix caching refused.
+  state sizing, limits, prefix caching refused;
+* ``STATUS_NOTES``: the memory lines ``ascend-adapters status`` prints for it (``memory.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ ARCHITECTURES: dict[str, str] = {ARCH: "ascend_adapters.deepseek_v4.model:Deepse
 
 
 ENABLE_ENV = "ASCEND_ADAPTERS_DEEPSEEK_V4"
+
+# `ascend-adapters status` prints these lines under the architecture (attention-state memory)
+STATUS_NOTES = "ascend_adapters.deepseek_v4.memory:status_notes"
 
 
 def _in_tree_native(platform) -> bool:

@@ -7,7 +7,7 @@
   layer only what its type needs (sliding: the window; CSA: window + ring of 2*rate inputs +
   tokens/rate entries + indexer keys; HCA: window + ring of rate inputs + tokens/rate entries), in
   ``dtype_bytes`` per value.
-* ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``), with the
+* ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC float32), with the
   routed experts split over ``ep`` devices and the attention / shared / embedding weights over
   ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated).
 * ``concurrency``: sequences whose state fits a device after its weights.
@@ -43,28 +43,31 @@ def paged_state_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
 
 
 def parameter_counts(config) -> dict:
-    """Parameters by placement: ``experts`` (routed, split by EP), ``tp`` (split by TP), ``replicated``."""
+    """Parameters by placement: ``experts`` (routed, split by EP), ``tp`` (split by TP), ``replicated``,
+    and ``mhc`` (replicated, kept float32 whatever the model dtype)."""
     h, hd, nh = int(config.hidden_size), int(config.head_dim), int(config.num_attention_heads)
     ql, og, ol = int(config.q_lora_rank), int(config.o_groups), int(config.o_lora_rank)
     e, inter = int(config.n_routed_experts), int(config.moe_intermediate_size)
     ih, idim, n = int(config.index_n_heads), int(config.index_head_dim), int(config.hc_mult)
     shared = inter * max(1, int(config.n_shared_experts))
-    experts = tp = rep = 0
+    experts = tp = rep = mhc = 0
     for kind in config.layer_types:
         tp += ql * nh * hd + nh * hd * ol + og * ol * h + 3 * h * shared  # wq_b, wo_a, wo_b, shared expert
-        rep += h * ql + h * hd + e * h + 2 * (2 + n) * n * n * h  # wq_a, wkv, router, mHC
+        rep += h * ql + h * hd + e * h  # wq_a, wkv, router
+        mhc += 2 * (2 + n) * n * n * h  # attn_hc, ffn_hc
         experts += e * 3 * h * inter
         if kind == LAYER_CSA:
             rep += 2 * (2 * hd) * h + ql * ih * idim + h * ih + 2 * (2 * idim) * h  # compressor + indexer
         elif kind == LAYER_HCA:
             rep += 2 * hd * h
     tp += 2 * int(config.vocab_size) * h  # embedding + head (vocab-parallel)
-    return {"experts": experts, "tp": tp, "replicated": rep}
+    mhc += n * n * h  # hc_head
+    return {"experts": experts, "tp": tp, "replicated": rep, "mhc": mhc}
 
 
 def weight_bytes_per_device(config, tp: int, ep: int, dtype_bytes: int = 2) -> int:
     c = parameter_counts(config)
-    return (c["experts"] // ep + c["tp"] // tp + c["replicated"]) * dtype_bytes
+    return (c["experts"] // ep + c["tp"] // tp + c["replicated"]) * dtype_bytes + c["mhc"] * 4
 
 
 def concurrency(config, max_model_len: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:
@@ -122,3 +125,39 @@ def flash_table(device_gib: int = 64, tp: int = 16, ep: int = 16) -> list[dict]:
             }
         )
     return rows
+
+
+def _size(n: int) -> str:
+    if n >= 1 << 30:
+        g = n / (1 << 30)
+        return f"{g:.2f} GiB" if g < 10 else f"{g:.1f} GiB"
+    m = n / (1 << 20)
+    return f"{m:.0f} MiB" if m >= 100 else f"{m:.1f} MiB"
+
+
+def _length(tokens: int) -> str:
+    return f"{tokens >> 20}M" if tokens >= 1 << 20 else f"{tokens >> 10}k"
+
+
+def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 100) -> list[str]:
+    """The lines ``ascend-adapters status`` prints for DeepSeek-V4 (``STATUS_NOTES`` in the hook)."""
+    cfg = flash_config()
+    weights = weight_bytes_per_device(cfg, tp, ep)
+    lines = [
+        f"attention state (DeepSeek-V4-Flash shape, memory.py): float32, every layer, sized for max_model_len "
+        f"whatever the request's length; a paged design would hold only what each layer type needs for the "
+        f"request's own length (bf16); sequences fitting a {device_gib} GiB device after {_size(weights)} of "
+        f"weights at TP{tp}/EP{ep}:"
+    ]
+    for r in flash_table(device_gib, tp, ep):
+        lines.append(
+            f"  max_model_len {_length(r['max_model_len'])}: {_size(r['state_bytes_per_sequence'])} per sequence "
+            f"(paged at full length: {_size(r['paged_bf16_bytes_at_full_length'])}), "
+            f"{r['concurrency']} sequence(s) per device"
+        )
+    longest = max(r["max_model_len"] for r in flash_table(device_gib, tp, ep))
+    lines.append(
+        f"  a {short}-token request at max_model_len {_length(longest)} reserves "
+        f"{_size(state_bytes_per_sequence(cfg, longest))}; paged it would need {_size(paged_state_bytes(cfg, short))}"
+    )
+    return lines

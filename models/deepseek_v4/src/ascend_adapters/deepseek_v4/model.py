@@ -2,7 +2,8 @@
 
 Reads like vLLM's llama.py: layer classes, then the model, then the causal-LM
 wrapper with ``load_weights``. All math goes through ``kernels`` (portable torch
-behind common's dispatch layer).
+behind common's dispatch layer), except the hyper-connection ops, which ``mhc.py``
+takes from vLLM where the engine's ops serve the call.
 
 Attention state. vLLM's paged attention cannot express DeepSeek-V4 attention
 (shared K=V head, per-head sinks, a sliding window *plus* compressed entries
@@ -63,6 +64,7 @@ from ascend_adapters.deepseek_v4.config import (
 )
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
+from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import (
     EXPERT_DOWN,
@@ -424,13 +426,15 @@ class _HC(nn.Module):
     def __init__(self, config):
         super().__init__()
         n = config.hc_mult
-        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size))
-        self.base = nn.Parameter(torch.zeros((2 + n) * n))
-        self.scale = nn.Parameter(torch.ones(3))
+        # float32 whatever the model dtype, as the checkpoint and transformers keep them
+        self.fn = nn.Parameter(torch.empty((2 + n) * n, n * config.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
         self.iters, self.hc_eps, self.norm_eps = config.hc_sinkhorn_iters, config.hc_eps, config.rms_norm_eps
+        self.ops = hc_ops(config, torch.get_default_dtype())
 
     def forward(self, streams):
-        return op("dsv4.hc_pre")(
+        return self.ops.pre(
             streams,
             self.fn,
             self.base,
@@ -450,14 +454,15 @@ class DeepseekV4DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.attn_hc = _HC(config)
         self.ffn_hc = _HC(config)
+        self.hc_post = self.attn_hc.ops.post
 
     def forward(self, streams, positions, input_ids):
         post, comb, collapsed = self.attn_hc(streams)
         attn = self.self_attn(self.input_layernorm(collapsed), positions)
-        streams = op("dsv4.hc_post")(streams, attn, post, comb)
+        streams = self.hc_post(streams, attn, post, comb)
         post, comb, collapsed = self.ffn_hc(streams)
         mlp = self.mlp(self.post_attention_layernorm(collapsed), input_ids)
-        return op("dsv4.hc_post")(streams, mlp, post, comb)
+        return self.hc_post(streams, mlp, post, comb)
 
 
 class DeepseekV4Model(nn.Module):
@@ -478,16 +483,18 @@ class DeepseekV4Model(nn.Module):
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = nn.Module()
-        self.hc_head.hc_fn = nn.Parameter(torch.empty(config.hc_mult, config.hc_mult * config.hidden_size))
-        self.hc_head.hc_base = nn.Parameter(torch.zeros(config.hc_mult))
-        self.hc_head.hc_scale = nn.Parameter(torch.ones(1))
+        n, f32 = config.hc_mult, torch.float32
+        self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=f32))
+        self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
+        self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
+        self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
 
     def forward(self, input_ids, positions, inputs_embeds=None):
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
         for layer in self.layers:
             streams = layer(streams, positions, input_ids)
-        h = op("dsv4.hc_head")(
+        h = self.hc_head_op(
             streams,
             self.hc_head.hc_fn,
             self.hc_head.hc_base,

@@ -124,21 +124,7 @@ class DeepseekV4RoutedExperts(RoutedExperts):
         method = super()._get_quant_method(prefix, quant_config, moe_config)
         if isinstance(method, UnquantizedFusedMoEMethod):
             return DeepseekV4FloatMoEMethod(moe_config)
-        if getattr(method, "is_monolithic", False):
-            _route_with_model_router(method)
         return method
-
-
-def _route_with_model_router(method) -> None:
-    """A monolithic quant method gets router logits and would route with the engine's own routing
-    (common's ModelSlim MoE method does so on vLLM 0.27/0.28, which have no CPU router); this model's
-    sqrtsoftplus/hash routing is not expressible there, so route with the model's router instead."""
-
-    def apply_monolithic(layer, x, router_logits, input_ids=None):
-        topk_weights, topk_ids = layer.model_router.select_experts(x, router_logits, input_ids=input_ids)
-        return method.apply(layer, x, topk_weights, topk_ids, None, None)
-
-    method.apply_monolithic = apply_monolithic
 
 
 class DeepseekV4MoE(nn.Module):
@@ -175,7 +161,7 @@ class DeepseekV4MoE(nn.Module):
             reduce_results=True,
             routed_experts_cls=DeepseekV4RoutedExperts,
         )
-        # for a monolithic quant method on engines without a CPU router (see _route_with_model_router)
+        # a monolithic quant method on an engine without a CPU router routes with it (compat.moe_select_experts)
         self.experts.routed_experts.model_router = router
         shared = inter * max(1, config.n_shared_experts)
         self.shared_experts = nn.Module()

@@ -18,7 +18,8 @@ W8A8 kernel through ``compat.cpu_int8_gemm``, weight prepacked once per weight t
 activations (this module's quantizer), exact int32 accumulation inside oneDNN, the per-token and
 per-channel scales applied in float32, the bias added in float32 and one rounding to x.dtype: equal to
 the integer reference up to float32 rounding (test_quant_kernels.py checks it against the exact
-integer accumulator). The prepacked copy sits beside the checkpoint-layout weight (+1 byte per weight).
+integer accumulator). A quantized layer keeps only the engine's prepacked copy (``EngineInt8Linear``);
+a plain weight passed to the op keeps its prepacked copy beside it.
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
 """
 
@@ -96,20 +97,55 @@ def _onednn():
     return ops
 
 
-def _onednn_handle(ops, weight: torch.Tensor, scale: torch.Tensor):
-    """The engine's prepacked form of ``weight [N, K]`` with ``scale [N]``, made once per weight tensor.
+class EngineInt8Linear:
+    """A W8A8_DYNAMIC weight held only in the engine's prepacked form (vLLM-CPU's oneDNN int8 GEMM).
 
-    Only for a weight that owns its storage (a model parameter); views (an expert sliced out of a
-    stacked tensor per call) take the torch path rather than prepacking on every call.
+    Made once from the checkpoint-layout ``weight [N, K]`` and ``weight_scale [N]``; the engine copies
+    the weight into its own blocked layout, so the caller may release the plain tensor, as vLLM's own
+    CPU W8A8 kernel does. Calling it runs this module's per-token quantizer, then the engine GEMM (exact
+    int32 accumulation, scales applied in float32), the bias in float32 and one rounding to x.dtype.
     """
-    if weight._base is not None or weight.requires_grad:
+
+    def __init__(self, ops, weight: torch.Tensor, weight_scale: torch.Tensor):
+        self._ops = ops
+        self.out_features, self.in_features = weight.shape
+        scale = weight_scale.reshape(-1).float().contiguous()
+        self._handle = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False)
+        self.nbytes = weight.numel() * weight.element_size() + scale.numel() * 4  # prepacked int8 + scales
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        if x2.shape[0] > 0:
+            xq, s = quantize_per_token(x2)
+            self._ops.onednn_scaled_mm(self._handle, xq, y, s.contiguous(), None, None, None)
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+def engine_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor) -> EngineInt8Linear | None:
+    """The engine's prepacked W8A8_DYNAMIC linear for a CPU weight, or None (no engine GEMM, not on CPU)."""
+    if weight.device.type != "cpu" or weight.dim() != 2:
+        return None
+    ops = _onednn()
+    return EngineInt8Linear(ops, weight, weight_scale) if ops is not None else None
+
+
+def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor) -> EngineInt8Linear | None:
+    """For callers that pass a plain weight: prepacked once per weight tensor and kept beside it.
+
+    Only for a weight that owns its storage; views (an expert sliced out of a stacked tensor per call)
+    take the torch path rather than prepacking on every call.
+    """
+    if weight._base is not None or weight.requires_grad or not scale.is_contiguous():
         return None
     cache = weight.__dict__.setdefault("_ascend_onednn", {})
     key = (scale.data_ptr(), scale.numel())
-    handle = cache.get(key)
-    if handle is None:
-        handle = cache[key] = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False)
-    return handle
+    if key not in cache:
+        cache[key] = engine_int8_linear(weight, scale)
+    return cache[key]
 
 
 @dispatch.portable("modelslim.w8a8_dynamic_linear")
@@ -117,20 +153,15 @@ def w8a8_dynamic_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype."""
+    scale = weight_scale.reshape(-1).float()
+    engine = _cached_engine_linear(weight, scale) if x.device.type == "cpu" and _onednn() is not None else None
+    if engine is not None:
+        return engine(x, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, s = quantize_per_token(x2)
-    ops = _onednn() if x.device.type == "cpu" and x2.shape[0] > 0 else None
-    scale = weight_scale.reshape(-1).float()
-    handle = _onednn_handle(ops, weight, scale) if ops is not None and scale.is_contiguous() else None
-    if handle is not None:
-        y = torch.empty(x2.shape[0], weight.shape[0], dtype=torch.float32)
-        ops.onednn_scaled_mm(handle, xq, y, s.contiguous(), None, None, None)
-        if bias is not None:
-            y = y + bias.float()
-        return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
     acc = int8_matmul(xq, weight)
-    y = acc.to(torch.float32) * (s * weight_scale.reshape(1, -1).float())
+    y = acc.to(torch.float32) * (s * scale.reshape(1, -1))
     if bias is not None:
         y = y + bias.float()
     return y.to(x.dtype).reshape(*shape[:-1], weight.shape[0])
