@@ -70,7 +70,7 @@ def _torch_path(fn, *args):
 def _prepared_layer(op, wq, ws):
     """(callable x -> y, resident weight bytes) of the weight as a W8A8_DYNAMIC layer keeps it after loading.
 
-    With the engine GEMM the layer keeps only the engine's prepacked int8 copy and the float32 scale (the
+    With the engine GEMM the layer keeps only the engine's prepacked int8 copy and its float32 scale (the
     plain weight is released; test_quant_served.py checks that); the copy is counted as one byte per
     weight, the int8 element count of oneDNN's blocked layout, which pads only to its block sizes
     (multiples of the shapes here). Without the engine GEMM the layer keeps the int8 weight and scale.
@@ -80,7 +80,7 @@ def _prepared_layer(op, wq, ws):
     engine = portable.engine_int8_linear(wq, ws)
     if engine is None:
         return partial(op, weight=wq, weight_scale=ws), wq.numel() + ws.numel() * 4
-    return engine, engine.nbytes
+    return engine, engine.nbytes + ws.numel() * 4
 
 
 def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:

@@ -710,5 +710,8 @@ def _load_routed(params: dict, name: str, tensor: torch.Tensor, expert_mapping, 
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
-    """Bytes of every parameter and buffer of a loaded model (for benchmarks via ``LLM.apply_model``)."""
-    return sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    """Bytes of every parameter and buffer of a loaded model (for benchmarks via ``LLM.apply_model``),
+    plus the engine-held prepacked copies of W8A8_DYNAMIC linears (their plain weights are released)."""
+    tensors = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
+    engine_linears = (getattr(m, "modelslim_engine_linear", None) for m in model.modules())
+    return tensors + sum(e.nbytes for e in engine_linears if e is not None)

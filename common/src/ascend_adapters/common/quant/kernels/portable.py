@@ -111,7 +111,7 @@ class EngineInt8Linear:
         self.out_features, self.in_features = weight.shape
         scale = weight_scale.reshape(-1).float().contiguous()
         self._handle = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False)
-        self.nbytes = weight.numel() * weight.element_size() + scale.numel() * 4  # prepacked int8 + scales
+        self.nbytes = weight.numel() * weight.element_size()  # the prepacked int8 copy (the layer keeps the scale)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
