@@ -47,8 +47,7 @@ from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
-from ascend_adapters.glm_dsa import remap
-from ascend_adapters.glm_dsa import kernels  # also registers the kernel ops
+from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
     AttentionMode,
