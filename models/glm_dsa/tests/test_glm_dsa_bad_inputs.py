@@ -81,14 +81,14 @@ def test_name_rules():
     rules, map_name = _drops(dense=False)
     assert [map_name(n) for n in kept] == kept  # the released names are the model's: nothing renamed
     assert [map_name(n) for n in skipped] == [None] * len(skipped)
-    log = remap.SkipLog(rules)
+    log = remap.WeightLog(rules)
     assert [n for n, _ in log.watch((n, None) for n in kept + skipped)] == kept + skipped
     assert set(log.skipped) == set(skipped)
     assert "MTP layer" in log.skipped[MTP_NAMES[0]] and "'shared' layer" in log.skipped[skipped[-1]]
     # dense: every indexer tensor is dropped, with the reason
     rules, map_name = _drops(dense=True)
     assert map_name("model.layers.0.self_attn.indexer.wk.weight") is None
-    log = remap.SkipLog(rules)
+    log = remap.WeightLog(rules)
     list(log.watch([("model.layers.0.self_attn.indexer.wk.weight", None)]))
     assert "indexer unused" in log.skipped["model.layers.0.self_attn.indexer.wk.weight"]
     # the class mapper (also given to the quantization config) drops only what every export carries
@@ -124,7 +124,8 @@ def loader_case(tmp_path_factory):
         if not model_parallel_is_initialized():
             initialize_model_parallel(1, 1)
         model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-        yield model, load_file(str(ckpt / "model.safetensors"))
+        # in name order, as vLLM reads a safetensors file ('rot.weight' after every 'model.' tensor)
+        yield model, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
 
 
 def test_loader_skips_and_loads(loader_case):
@@ -136,6 +137,12 @@ def test_loader_skips_and_loads(loader_case):
     extras = {"rot.weight", shared_indexer} | {n for n in tensors if n.startswith("model.layers.3.")}
     assert set(model.skipped_weights) == extras
     assert "'shared' layer" in model.skipped_weights[shared_indexer]
+    # a shard order that splits the 'model.' tensors (and one expert's tensors) into two groups
+    names = list(tensors)
+    half = names.index("model.layers.1.mlp.experts.3.down_proj.weight")
+    split = [*names[1:half], names[0], *names[half:]]
+    assert names[0] == "lm_head.weight"
+    assert model.load_weights((n, tensors[n]) for n in split) == loaded
     # stacked and per-expert tensors landed in their slices
     params = dict(model.named_parameters())
     mlp = "model.layers.0.mlp."
@@ -156,7 +163,7 @@ def test_loader_skips_and_loads(loader_case):
 )
 def test_loader_unknown_tensor_is_an_error_naming_it(loader_case, name):
     model, tensors = loader_case
-    with pytest.raises(ValueError, match=rf"GLM-DSA checkpoint tensor {re.escape(name)}\b"):
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA checkpoint tensor {re.escape(name)}\b"):
         model.load_weights([*tensors.items(), (name, torch.zeros(4, 4))])
 
 
@@ -167,7 +174,7 @@ def test_loader_missing_tensor_is_an_error_naming_it(loader_case, name):
     """vLLM's own check after loading runs only for unquantized models and exempts every layer it
     post-processes (all linears), and one FusedMoE parameter holds every expert: the adapter checks."""
     model, tensors = loader_case
-    with pytest.raises(ValueError, match=rf"lacks 1 .*{re.escape(name)}"):
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA checkpoint lacks 1 .*{re.escape(name)}"):
         model.load_weights([(n, t) for n, t in tensors.items() if n != name])
 
 

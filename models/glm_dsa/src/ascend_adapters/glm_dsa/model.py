@@ -493,6 +493,14 @@ class GlmDsaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # (param name, checkpoint name, expert id, shard id) of every routed expert
+        self.expert_params_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name="gate_proj",
+            ckpt_down_proj_name="down_proj",
+            ckpt_up_proj_name="up_proj",
+            num_experts=config.n_routed_experts,
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -510,25 +518,16 @@ class GlmDsaModel(nn.Module):
         """Checkpoint tensors (names below ``model.``) into the parameters, as vLLM's deepseek_v2 does:
         ``gate_proj``/``up_proj`` into the stacked ``gate_up_proj``, per-expert tensors into FusedMoE."""
         stacked = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
-        expert_mapping = fused_moe_make_expert_params_mapping(
-            self,
-            ckpt_gate_proj_name="gate_proj",
-            ckpt_down_proj_name="down_proj",
-            ckpt_up_proj_name="up_proj",
-            num_experts=self.config.n_routed_experts,
-        )
         params = dict(self.named_parameters())
         loaded: set[str] = set()
-        expert_names: set[str] = set()  # one FusedMoE parameter holds every expert: track them by name
         for name, tensor in weights:
             if ".mlp.experts." in name:
-                for param_name, weight_name, expert_id, shard_id in expert_mapping:
+                for param_name, weight_name, expert_id, shard_id in self.expert_params_mapping:
                     mapped = name.replace(weight_name, param_name)
                     if weight_name in name and mapped in params:
                         param = params[mapped]
                         param.weight_loader(param, tensor, mapped, shard_id=shard_id, expert_id=expert_id)
                         loaded.add(mapped)
-                        expert_names.add(name)
                         break
                 else:
                     raise self._unknown(name)
@@ -547,18 +546,20 @@ class GlmDsaModel(nn.Module):
                 param = params[name]
                 getattr(param, "weight_loader", default_weight_loader)(param, tensor)
                 loaded.add(name)
-        missing = sorted(
-            f"{self.prefix}.{name}"
-            for mapped in loaded
-            for param_name, weight_name, _, _ in expert_mapping
-            if param_name in mapped and (name := mapped.replace(param_name, weight_name)) not in expert_names
-        )
-        if missing:
-            raise ValueError(f"GLM-DSA checkpoint lacks {len(missing)} expert tensor(s): {missing[:20]}")
         return loaded
 
-    def _unknown(self, name: str) -> ValueError:
-        return ValueError(
+    def expert_tensor_names(self, loaded: Iterable[str]) -> set[str]:
+        """The per-expert checkpoint names the loaded FusedMoE parameters are filled from (one parameter
+        holds every expert, so a missing expert does not show in the set of loaded parameters)."""
+        return {
+            name.replace(param_name, weight_name)
+            for name in loaded
+            for param_name, weight_name, _, _ in self.expert_params_mapping
+            if param_name in name
+        }
+
+    def _unknown(self, name: str) -> remap.GlmDsaWeightsError:
+        return remap.GlmDsaWeightsError(
             f"GLM-DSA checkpoint tensor {self.prefix}.{name}: the model has no such tensor and no skip rule "
             "drops it (names this adapter accepts: glm_dsa/remap.py)"
         )
@@ -603,20 +604,25 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        skips = remap.SkipLog(self.skip_rules)
+        log = remap.WeightLog(self.skip_rules)
         try:
-            loaded = AutoWeightsLoader(self).load_weights(skips.watch(weights), mapper=self.weights_mapper)
+            loaded = AutoWeightsLoader(self).load_weights(log.watch(weights), mapper=self.weights_mapper)
+        except remap.GlmDsaWeightsError:
+            raise
         except ValueError as exc:
             # vLLM's loader names a module ('rot' for 'rot.bias'); say which checkpoint tensor it was
-            if skips.current is None or skips.current in str(exc):
+            if log.current is None:
                 raise
-            raise ValueError(f"GLM-DSA checkpoint tensor {skips.current}: {exc}") from exc
+            raise remap.GlmDsaWeightsError(f"GLM-DSA checkpoint tensor {log.current}: {exc}") from exc
         # vLLM checks this itself only for unquantized models, and exempts layers it post-processes
         missing = sorted(set(dict(self.named_parameters())) - loaded)
+        missing += sorted(self.model.expert_tensor_names(loaded) - log.seen)
         if missing:
-            raise ValueError(f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}")
+            raise remap.GlmDsaWeightsError(
+                f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}"
+            )
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
-        self.skipped_weights = skips.skipped
-        skips.log(logger, f"GLM-DSA weights ({self.model.mode.value} path)")
+        self.skipped_weights = log.skipped
+        log.log_skipped(logger, f"GLM-DSA weights ({self.model.mode.value} path)")
         return loaded

@@ -20,6 +20,11 @@ from collections.abc import Iterable, Iterator
 
 from vllm.model_executor.models.utils import WeightsMapper
 
+
+class GlmDsaWeightsError(ValueError):
+    """A checkpoint tensor the model does not own, or one it needs and the checkpoint lacks (named)."""
+
+
 # pattern (searched in the checkpoint name) -> why the served model drops the tensor
 FIXED_SKIPS = {
     r"^rot\.weight$": "MTP-only top-level tensor; the non-MTP model does not own it",
@@ -54,21 +59,21 @@ def skip_rules(
     return rules
 
 
-class SkipLog:
-    """Which checkpoint tensors the skip rules drop, and why.
-
-    ``current`` is the name last handed to the loader (None once all are), i.e. the one a loading
-    error is about: vLLM's loader consumes the weights one at a time.
-    """
+class WeightLog:
+    """What the loader was given: every name, the ones the skip rules drop (with the reason), and
+    ``current``, the name last handed over (None once all are), i.e. the one a loading error is
+    about, since vLLM's loader consumes the weights one at a time."""
 
     def __init__(self, rules: dict[str, str]):
         self._rules = [(re.compile(pattern), reason) for pattern, reason in rules.items()]
+        self.seen: set[str] = set()
         self.skipped: dict[str, str] = {}
         self.current: str | None = None
 
     def watch(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
         for name, tensor in weights:
             self.current = name
+            self.seen.add(name)
             for pattern, reason in self._rules:
                 if pattern.search(name):
                     self.skipped[name] = reason
@@ -76,7 +81,7 @@ class SkipLog:
             yield name, tensor
         self.current = None
 
-    def log(self, logger: logging.Logger, what: str) -> None:
+    def log_skipped(self, logger: logging.Logger, what: str) -> None:
         by_reason: dict[str, list[str]] = {}
         for name, reason in sorted(self.skipped.items()):
             by_reason.setdefault(reason, []).append(name)
