@@ -1,20 +1,25 @@
-"""Bad inputs fail closed with a clear reason: unit level (policy, name rules) and through real vLLM start-up."""
+"""Bad inputs fail closed with a clear reason: unit level (policy, name rules), the weight loader on a model
+built in-process (no engine), and through real vLLM start-up."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import socket
 import subprocess
 import sys
 
 import pytest
+import torch
 from _glm_dsa_ref import add_tensor, build, random_prompts
 from _glm_dsa_w8a8 import ATTN_LINEARS, make_export
 
-from ascend_adapters.common import remap
+from ascend_adapters.common import compat
 from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.common.testing.parity import DEFAULT_LLM_KWARGS
+from ascend_adapters.glm_dsa import remap
 from ascend_adapters.glm_dsa.config import (
     SPARSE_ENV,
     AttentionMode,
@@ -22,7 +27,6 @@ from ascend_adapters.glm_dsa.config import (
     check_raw_config,
     choose_attention_mode,
 )
-from ascend_adapters.glm_dsa.remap import glm_dsa_rules
 
 
 class _Cfg:
@@ -57,35 +61,121 @@ def test_missing_index_topk_unit():
         choose_attention_mode(_Cfg(index_topk=None), 8)
 
 
-def _remapper(dense, targets):
-    return remap.Remapper(glm_dsa_rules(3, 1, [2], dense), targets=targets)
+MTP_NAMES = ["model.layers.3.eh_proj.weight", "model.layers.3.self_attn.q_a_proj.weight"]
+
+
+def _drops(dense: bool) -> tuple[dict, object]:
+    """The tiny layout (3 layers, 1 MTP layer, layer 2 'shared'): its skip rules and the mapper built from them."""
+    rules = remap.skip_rules(3, 1, [2], dense)
+    return rules, compat.weights_mapper_fn(remap.hf_to_vllm_mapper | remap.skip_mapper(rules))
 
 
 def test_name_rules():
-    owned = {"model.layers.0.self_attn.q_a_proj.weight", "model.layers.0.self_attn.indexer.wk.weight"}
-    r = _remapper(False, owned)
-    names = [
-        "rot.weight",
-        "model.layers.3.eh_proj.weight",
-        "model.layers.3.self_attn.q_a_proj.weight",
-        "model.layers.2.self_attn.indexer.wk.weight",
+    kept = [
         "model.layers.0.self_attn.q_a_proj.weight",
         "model.layers.0.self_attn.indexer.wk.weight",
+        "model.layers.30.self_attn.q_a_proj.weight",  # a main layer of a deeper model, not MTP layer 3
+        "rot.bias",  # nothing broader than rot.weight at top level: the loader refuses it (test below)
     ]
-    got = [n for n, _ in r.apply((n, None) for n in names)]
-    rep = r.finish()
-    assert got == names[4:]
-    assert set(rep.skipped) == set(names[:4])
-    # dense: every indexer tensor is reported unused, by name
-    r = _remapper(True, owned)
-    list(r.apply([("model.layers.0.self_attn.indexer.wk.weight", None)]))
-    assert "indexer unused" in r.finish().skipped["model.layers.0.self_attn.indexer.wk.weight"]
-    # nothing broader than rot.weight at top level, and unknown names are errors naming the tensor
-    r = _remapper(False, owned)
-    list(r.apply([("rot.bias", None), ("model.layers.0.self_attn.bogus.weight", None)]))
-    with pytest.raises(remap.RemapError) as err:
-        r.finish()
-    assert "UNMAPPED rot.bias" in str(err.value) and "UNMAPPED model.layers.0.self_attn.bogus.weight" in str(err.value)
+    skipped = ["rot.weight", *MTP_NAMES, "model.layers.2.self_attn.indexer.wk.weight"]
+    rules, map_name = _drops(dense=False)
+    assert [map_name(n) for n in kept] == kept  # the released names are the model's: nothing renamed
+    assert [map_name(n) for n in skipped] == [None] * len(skipped)
+    log = remap.WeightLog(rules)
+    assert [n for n, _ in log.watch((n, None) for n in kept + skipped)] == kept + skipped
+    assert set(log.skipped) == set(skipped)
+    assert "MTP layer" in log.skipped[MTP_NAMES[0]] and "'shared' layer" in log.skipped[skipped[-1]]
+    # dense: every indexer tensor is dropped, with the reason
+    rules, map_name = _drops(dense=True)
+    assert map_name("model.layers.0.self_attn.indexer.wk.weight") is None
+    log = remap.WeightLog(rules)
+    list(log.watch([("model.layers.0.self_attn.indexer.wk.weight", None)]))
+    assert "indexer unused" in log.skipped["model.layers.0.self_attn.indexer.wk.weight"]
+    # the class mapper (also given to the quantization config) drops only what every export carries
+    fixed = compat.weights_mapper_fn(remap.hf_to_vllm_mapper)
+    assert fixed("rot.weight") is None and fixed(MTP_NAMES[0]) == MTP_NAMES[0]
+
+
+# -- the weight loader on a model built in-process (vLLM's own layers and loader, no engine) ----------------
+
+
+@pytest.fixture(scope="module")
+def loader_case(tmp_path_factory):
+    """The tiny checkpoint's tensors and a GlmMoeDsaForCausalLM built for it (sparse path, max_model_len 64)."""
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    ckpt = build(tmp_path_factory.mktemp("glm_dsa_loader"), "tiny", index_topk=8)
+    vllm_config = EngineArgs(model=str(ckpt), **{**DEFAULT_LLM_KWARGS, "max_model_len": 64}).create_engine_config()
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        if not dist.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            init_distributed_environment(
+                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
+            )
+        if not model_parallel_is_initialized():
+            initialize_model_parallel(1, 1)
+        model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+        # in name order, as vLLM reads a safetensors file ('rot.weight' after every 'model.' tensor)
+        yield model, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
+
+
+def test_loader_skips_and_loads(loader_case):
+    model, tensors = loader_case
+    assert model.model.mode is AttentionMode.SPARSE
+    shared_indexer = "model.layers.2.self_attn.indexer.wk.weight"  # exports may carry one; layer 2 is 'shared'
+    loaded = model.load_weights([*tensors.items(), (shared_indexer, torch.zeros(32, 128))])
+    assert loaded == set(dict(model.named_parameters()))
+    extras = {"rot.weight", shared_indexer} | {n for n in tensors if n.startswith("model.layers.3.")}
+    assert set(model.skipped_weights) == extras
+    assert "'shared' layer" in model.skipped_weights[shared_indexer]
+    # a shard order that splits the 'model.' tensors (and one expert's tensors) into two groups
+    names = list(tensors)
+    half = names.index("model.layers.1.mlp.experts.3.down_proj.weight")
+    split = [*names[1:half], names[0], *names[half:]]
+    assert names[0] == "lm_head.weight"
+    assert model.load_weights((n, tensors[n]) for n in split) == loaded
+    # stacked and per-expert tensors landed in their slices
+    params = dict(model.named_parameters())
+    mlp = "model.layers.0.mlp."
+    want = torch.cat([tensors[mlp + "gate_proj.weight"], tensors[mlp + "up_proj.weight"]])
+    assert torch.equal(params[mlp + "gate_up_proj.weight"], want)
+    (w2,) = [p for n, p in params.items() if n.startswith("model.layers.1.mlp.experts.") and n.endswith("w2_weight")]
+    assert torch.equal(w2[3], tensors["model.layers.1.mlp.experts.3.down_proj.weight"])
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "rot.bias",  # unknown top-level module: vLLM's loader names 'rot', the adapter the tensor
+        "model.layers.1.self_attn.bogus_proj.weight",
+        "model.layers.1.mlp.experts.0.bogus_proj.weight",
+        "model.layers.0.mlp.gate_proj.bias",
+    ],
+)
+def test_loader_unknown_tensor_is_an_error_naming_it(loader_case, name):
+    model, tensors = loader_case
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA checkpoint tensor {re.escape(name)}\b"):
+        model.load_weights([*tensors.items(), (name, torch.zeros(4, 4))])
+
+
+@pytest.mark.parametrize(
+    "name", ["model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"]
+)
+def test_loader_missing_tensor_is_an_error_naming_it(loader_case, name):
+    """vLLM's own check after loading runs only for unquantized models and exempts every layer it
+    post-processes (all linears), and one FusedMoE parameter holds every expert: the adapter checks."""
+    model, tensors = loader_case
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA checkpoint lacks 1 .*{re.escape(name)}"):
+        model.load_weights([(n, t) for n, t in tensors.items() if n != name])
 
 
 # -- real vLLM start-up --------------------------------------------------------------------------------------
@@ -134,7 +224,7 @@ def _excerpt(log: str) -> str:
     lines = [
         ln
         for ln in log.splitlines()
-        if any(s in ln for s in ("GlmDsaConfigError", "Value error", "RemapError", "UNMAPPED"))
+        if any(s in ln for s in ("GlmDsaConfigError", "Value error", "GLM-DSA checkpoint"))
     ]
     return "\n".join(lines[:6])
 
@@ -156,7 +246,7 @@ def test_bad_inputs_refused_by_vllm(base_ckpt, tmp_path, evidence_root):
     bogus = _variant(base_ckpt, tmp_path, "bogus")
     add_tensor(bogus, "model.layers.1.self_attn.bogus_proj.weight")
     log = _start_fails(bogus, tmp_path)
-    ok = "model.layers.1.self_attn.bogus_proj.weight" in log and "match no rule" in log
+    ok = "GLM-DSA checkpoint tensor model.layers.1.self_attn.bogus_proj.weight" in log and "no skip rule" in log
     rec.check("unknown tensor name: start-up refused naming the tensor", ok, _excerpt(log))
     assert ok, log
 

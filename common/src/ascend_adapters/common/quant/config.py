@@ -101,15 +101,6 @@ class ModelSlimConfig(QuantizationConfig):
             "ModelSlim quantization: %s (%s)", self.description.source, self.description.model_quant_type or "mixed"
         )
 
-    def rename(self, fn) -> None:
-        """Rename description keys with ``fn(checkpoint_name) -> module_name | None`` (None: unchanged).
-
-        For models whose vLLM module names differ from the checkpoint's and that map names in their
-        own ``load_weights`` (e.g. through ``ascend_adapters.common.remap``): call it in the model's
-        ``__init__`` before building layers, so ``get_quant_method(layer, prefix)`` finds each layer.
-        """
-        self._require().rename(fn)
-
     def apply_vllm_mapper(self, hf_to_vllm_mapper) -> None:
         # Checkpoint names -> vLLM module names (models whose modules are named differently).
         from ascend_adapters.common import compat

@@ -43,10 +43,11 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+from vllm.model_executor.models.utils import AutoWeightsLoader
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from ascend_adapters.common import compat, dispatch, remap
-from ascend_adapters.glm_dsa import kernels  # also registers the kernel ops
+from ascend_adapters.common import compat, dispatch
+from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
     AttentionMode,
@@ -56,9 +57,8 @@ from ascend_adapters.glm_dsa.config import (
     raw_config_dict,
     require_field,
 )
-from ascend_adapters.glm_dsa.remap import glm_dsa_rules
 
-# a child of vLLM's logger, so the path choice and the weight report show in vLLM's log
+# a child of vLLM's logger, so the path choice and the skipped weights show in vLLM's log
 logger = logging.getLogger("vllm.ascend_adapters.glm_dsa")
 
 
@@ -470,6 +470,7 @@ class GlmDsaModel(nn.Module):
         if get_pp_group().world_size > 1:
             raise GlmDsaConfigError("pipeline parallelism is not supported by the GLM-DSA adapter")
         self.config = config
+        self.prefix = prefix
         mc = vllm_config.model_config
         check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
         self.mode = choose_attention_mode(config, vllm_config.model_config.max_model_len)
@@ -492,6 +493,14 @@ class GlmDsaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # (param name, checkpoint name, expert id, shard id) of every routed expert
+        self.expert_params_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name="gate_proj",
+            ckpt_down_proj_name="down_proj",
+            ckpt_up_proj_name="up_proj",
+            num_experts=config.n_routed_experts,
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -505,12 +514,63 @@ class GlmDsaModel(nn.Module):
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Checkpoint tensors (names below ``model.``) into the parameters, as vLLM's deepseek_v2 does:
+        ``gate_proj``/``up_proj`` into the stacked ``gate_up_proj``, per-expert tensors into FusedMoE."""
+        stacked = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            if ".mlp.experts." in name:
+                for param_name, weight_name, expert_id, shard_id in self.expert_params_mapping:
+                    mapped = name.replace(weight_name, param_name)
+                    if weight_name in name and mapped in params:
+                        param = params[mapped]
+                        param.weight_loader(param, tensor, mapped, shard_id=shard_id, expert_id=expert_id)
+                        loaded.add(mapped)
+                        break
+                else:
+                    raise self._unknown(name)
+                continue
+            for param_name, weight_name, shard_id in stacked:
+                if f".{weight_name}." in name:
+                    mapped = name.replace(f".{weight_name}.", f".{param_name}.")
+                    if mapped not in params:
+                        raise self._unknown(name)
+                    params[mapped].weight_loader(params[mapped], tensor, shard_id)
+                    loaded.add(mapped)
+                    break
+            else:
+                if name not in params:
+                    raise self._unknown(name)
+                param = params[name]
+                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
+                loaded.add(name)
+        return loaded
+
+    def expert_tensor_names(self, loaded: Iterable[str]) -> set[str]:
+        """The per-expert checkpoint names the loaded FusedMoE parameters are filled from (one parameter
+        holds every expert, so a missing expert does not show in the set of loaded parameters)."""
+        return {
+            name.replace(param_name, weight_name)
+            for name in loaded
+            for param_name, weight_name, _, _ in self.expert_params_mapping
+            if param_name in name
+        }
+
+    def _unknown(self, name: str) -> remap.GlmDsaWeightsError:
+        return remap.GlmDsaWeightsError(
+            f"GLM-DSA checkpoint tensor {self.prefix}.{name}: the model has no such tensor and no skip rule "
+            "drops it (names this adapter accepts: glm_dsa/remap.py)"
+        )
+
 
 class GlmMoeDsaForCausalLM(nn.Module):
     """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports)."""
 
     # checkpoint shards fused into one vLLM module (quantization configs look types up per shard)
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    hf_to_vllm_mapper = remap.hf_to_vllm_mapper
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -522,7 +582,16 @@ class GlmMoeDsaForCausalLM(nn.Module):
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
-        self.load_report: remap.RemapReport | None = None
+        # the drops that depend on the config: MTP layers, indexers the chosen path does not use
+        types = _indexer_types(config)
+        self.skip_rules = remap.skip_rules(
+            config.num_hidden_layers,
+            int(getattr(config, "num_nextn_predict_layers", 0) or 0),
+            [i for i, t in enumerate(types[: config.num_hidden_layers]) if t == "shared"],
+            dense=self.model.mode is AttentionMode.DENSE,
+        )
+        self.weights_mapper = self.hf_to_vllm_mapper | remap.skip_mapper(self.skip_rules)
+        self.skipped_weights: dict[str, str] = {}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -534,68 +603,26 @@ class GlmMoeDsaForCausalLM(nn.Module):
         return self.logits_processor(self.lm_head, hidden_states)
 
     # -- weights ------------------------------------------------------------
-    def _remapper(self, params: dict) -> remap.Remapper:
-        config = self.config
-        types = _indexer_types(config)
-        dense = self.model.mode is AttentionMode.DENSE
-        unused = [i for i, t in enumerate(types[: config.num_hidden_layers]) if t == "shared"]
-        rules = glm_dsa_rules(
-            config.num_hidden_layers, int(getattr(config, "num_nextn_predict_layers", 0) or 0), unused, dense
-        )
-        return remap.Remapper(
-            rules, targets=lambda n: self._target_param(n, params) is not None, source="GLM-DSA checkpoint"
-        )
-
-    _STACKED = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
-    _EXPERT = None
-
-    def _expert_mapping(self):
-        if self._EXPERT is None:
-            self._EXPERT = fused_moe_make_expert_params_mapping(
-                self,
-                ckpt_gate_proj_name="gate_proj",
-                ckpt_down_proj_name="down_proj",
-                ckpt_up_proj_name="up_proj",
-                num_experts=self.config.n_routed_experts,
-            )
-        return self._EXPERT
-
-    def _target_param(self, name: str, params: dict):
-        """(param name, shard id, expert id) for a checkpoint name, or None if the model has no such tensor."""
-        if ".mlp.experts." in name:
-            for param_name, weight_name, expert_id, shard_id in self._expert_mapping():
-                if weight_name in name:
-                    mapped = name.replace(weight_name, param_name)
-                    if mapped in params:
-                        return mapped, shard_id, expert_id
-            return None
-        for param_name, weight_name, shard_id in self._STACKED:
-            if f".{weight_name}." in name:
-                mapped = name.replace(f".{weight_name}.", f".{param_name}.")
-                return (mapped, shard_id, None) if mapped in params else None
-        return (name, None, None) if name in params else None
-
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        params = dict(self.named_parameters())
-        remapper = self._remapper(params)
-        loaded: set[str] = set()
-        for name, tensor in remapper.apply(weights):
-            param_name, shard_id, expert_id = self._target_param(name, params)
-            param = params[param_name]
-            loader = getattr(param, "weight_loader", default_weight_loader)
-            if expert_id is not None:
-                loader(param, tensor, param_name, shard_id=shard_id, expert_id=expert_id)
-            elif shard_id is not None:
-                loader(param, tensor, shard_id)
-            else:
-                loader(param, tensor)
-            loaded.add(param_name)
-        report = remapper.finish(required=None)
-        missing = sorted(set(params) - loaded)
+        log = remap.WeightLog(self.skip_rules)
+        try:
+            loaded = AutoWeightsLoader(self).load_weights(log.watch(weights), mapper=self.weights_mapper)
+        except remap.GlmDsaWeightsError:
+            raise
+        except ValueError as exc:
+            # vLLM's loader names a module ('rot' for 'rot.bias'); say which checkpoint tensor it was
+            if log.current is None:
+                raise
+            raise remap.GlmDsaWeightsError(f"GLM-DSA checkpoint tensor {log.current}: {exc}") from exc
+        # vLLM checks this itself only for unquantized models, and exempts layers it post-processes
+        missing = sorted(set(dict(self.named_parameters())) - loaded)
+        missing += sorted(self.model.expert_tensor_names(loaded) - log.seen)
         if missing:
-            raise remap.RemapError(f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}")
+            raise remap.GlmDsaWeightsError(
+                f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}"
+            )
         for layer in self.model.layers:
             layer.self_attn.absorb_weights()
-        self.load_report = report
-        logger.info("GLM-DSA weights (%s path): %s", self.model.mode.value, report.summary())
+        self.skipped_weights = log.skipped
+        log.log_skipped(logger, f"GLM-DSA weights ({self.model.mode.value} path)")
         return loaded

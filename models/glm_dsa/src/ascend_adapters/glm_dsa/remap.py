@@ -1,41 +1,91 @@
-"""Checkpoint names this adapter accepts (released GLM-5.x exports).
+"""Checkpoint names this adapter accepts (released GLM-5.x exports), as a vLLM ``WeightsMapper``.
 
 The released exports already use the names the model owns
 (``model.layers.N.self_attn.q_a_proj.weight``, per-expert
 ``mlp.experts.E.gate_proj.weight``, ``self_attn.indexer.wq_b.weight`` ...), so
-the rules are explicit skips: the MTP-only top-level ``rot.weight``, the MTP
-layers that follow the main stack, indexer weights the chosen path does not
-use. Anything else a rule does not own is an error (common.remap).
+the mapper renames nothing: it drops, on purpose and with a reason, what the
+served model does not own. ``hf_to_vllm_mapper`` holds the drops every export
+needs (the MTP-only top-level ``rot.weight``, rotary buffers); which MTP layers
+and indexers to drop depends on the config and the attention path, so
+``skip_rules`` lists them per model and ``skip_mapper`` turns them into the
+mapper the model loads with. Any other name the model does not own is an
+error of the model's ``load_weights``.
 """
 
 from __future__ import annotations
 
-from ascend_adapters.common import remap
+import logging
+import re
+from collections.abc import Iterable, Iterator
+
+from vllm.model_executor.models.utils import WeightsMapper
 
 
-def glm_dsa_rules(
+class GlmDsaWeightsError(ValueError):
+    """A checkpoint tensor the model does not own, or one it needs and the checkpoint lacks (named)."""
+
+
+# pattern (searched in the checkpoint name) -> why the served model drops the tensor
+FIXED_SKIPS = {
+    r"^rot\.weight$": "MTP-only top-level tensor; the non-MTP model does not own it",
+    r"\.rotary_emb\.inv_freq$": "rotary buffer, recomputed",
+}
+
+
+def skip_mapper(rules: dict[str, str]) -> WeightsMapper:
+    return WeightsMapper(orig_to_new_regex={re.compile(pattern): None for pattern in rules})
+
+
+hf_to_vllm_mapper = skip_mapper(FIXED_SKIPS)
+
+
+def skip_rules(
     num_hidden_layers: int, num_mtp_layers: int, unused_indexer_layers: list[int], dense: bool
-) -> list[remap.Rule]:
-    rules = [
-        remap.skip(r"^rot\.weight$", "MTP-only top-level tensor; the non-MTP model does not own it"),
-        remap.skip(r"\.rotary_emb\.inv_freq$", "rotary buffer, recomputed"),
-    ]
+) -> dict[str, str]:
+    """Every drop for one model: ``FIXED_SKIPS`` plus its MTP layers and the indexers its path does not use."""
+    rules = dict(FIXED_SKIPS)
     if num_mtp_layers > 0:
         ids = "|".join(str(num_hidden_layers + i) for i in range(num_mtp_layers))
-        rules.append(remap.skip(rf"^model\.layers\.({ids})\.", "MTP layer (num_nextn_predict_layers); not served"))
+        rules[rf"^model\.layers\.({ids})\."] = "MTP layer (num_nextn_predict_layers); not served"
     if dense:
-        rules.append(
-            remap.skip(
-                r"^model\.layers\.\d+\.self_attn\.indexer\.",
-                "DSA indexer unused on the dense path (every context <= index_topk)",
-            )
+        rules[r"^model\.layers\.\d+\.self_attn\.indexer\."] = (
+            "DSA indexer unused on the dense path (every context <= index_topk)"
         )
     elif unused_indexer_layers:
         ids = "|".join(str(i) for i in unused_indexer_layers)
-        rules.append(
-            remap.skip(
-                rf"^model\.layers\.({ids})\.self_attn\.indexer\.",
-                "indexer of a 'shared' layer (reuses the previous layer's top-k)",
-            )
+        rules[rf"^model\.layers\.({ids})\.self_attn\.indexer\."] = (
+            "indexer of a 'shared' layer (reuses the previous layer's top-k)"
         )
     return rules
+
+
+class WeightLog:
+    """What the loader was given: every name, the ones the skip rules drop (with the reason), and
+    ``current``, the name last handed over (None once all are), i.e. the one a loading error is
+    about, since vLLM's loader consumes the weights one at a time."""
+
+    def __init__(self, rules: dict[str, str]):
+        self._rules = [(re.compile(pattern), reason) for pattern, reason in rules.items()]
+        self.seen: set[str] = set()
+        self.skipped: dict[str, str] = {}
+        self.current: str | None = None
+
+    def watch(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
+        for name, tensor in weights:
+            self.current = name
+            self.seen.add(name)
+            for pattern, reason in self._rules:
+                if pattern.search(name):
+                    self.skipped[name] = reason
+                    break
+            yield name, tensor
+        self.current = None
+
+    def log_skipped(self, logger: logging.Logger, what: str) -> None:
+        by_reason: dict[str, list[str]] = {}
+        for name, reason in sorted(self.skipped.items()):
+            by_reason.setdefault(reason, []).append(name)
+        for reason, names in by_reason.items():
+            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
+            logger.info("%s: skipped %d tensor(s), %s: %s", what, len(names), reason, shown)
+            logger.debug("%s: skipped (%s): %s", what, reason, names)
