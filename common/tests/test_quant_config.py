@@ -139,27 +139,15 @@ def test_static_companions_and_undeclared_int8(tmp_path):
 @pytest.fixture(scope="module")
 def vllm_env():
     """Single-rank vLLM distributed state and a current VllmConfig for building layers in-process."""
-    import socket
-
-    import torch.distributed as dist
     from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     from ascend_adapters.common.quant import register
+    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
     cfg = VllmConfig()
     with set_current_vllm_config(cfg):
-        if not dist.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
-            )
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
+        ensure_single_rank_parallel_state()
         yield cfg
 
 

@@ -156,13 +156,10 @@ def test_modelslim_description_renamed_through_vllms_mapper_hook():
 @pytest.fixture(scope="module")
 def vllm_model(dirs):
     """``build(model_dir)`` -> a fresh DeepseekV4ForCausalLM built by vLLM (nothing loaded yet)."""
-    import socket
-
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
     from ascend_adapters.deepseek_v4 import register
 
     register()
@@ -171,19 +168,7 @@ def vllm_model(dirs):
         mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
         cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
         with set_current_vllm_config(cfg):
-            if not torch.distributed.is_initialized():
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", 0))
-                    port = s.getsockname()[1]
-                init_distributed_environment(
-                    world_size=1,
-                    rank=0,
-                    local_rank=0,
-                    distributed_init_method=f"tcp://127.0.0.1:{port}",
-                    backend="gloo",
-                )
-            if not model_parallel_is_initialized():
-                initialize_model_parallel(1, 1)
+            ensure_single_rank_parallel_state()
             return initialize_model(cfg)
 
     return build

@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 
@@ -102,27 +101,18 @@ def test_name_rules():
 @pytest.fixture(scope="module")
 def loader_case(tmp_path_factory):
     """The tiny checkpoint's tensors and a GlmMoeDsaForCausalLM built for it (sparse path, max_model_len 64)."""
-    import torch.distributed as dist
     from safetensors.torch import load_file
     from vllm.config import set_current_vllm_config
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed.parallel_state import model_parallel_is_initialized
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
+    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
+
     ckpt = build(tmp_path_factory.mktemp("glm_dsa_loader"), "tiny", index_topk=8)
     vllm_config = EngineArgs(model=str(ckpt), **{**DEFAULT_LLM_KWARGS, "max_model_len": 64}).create_engine_config()
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
-        if not dist.is_initialized():
-            with socket.socket() as s:
-                s.bind(("127.0.0.1", 0))
-                port = s.getsockname()[1]
-            init_distributed_environment(
-                world_size=1, rank=0, local_rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", backend="gloo"
-            )
-        if not model_parallel_is_initialized():
-            initialize_model_parallel(1, 1)
+        ensure_single_rank_parallel_state()
         model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
         # in name order, as vLLM reads a safetensors file ('rot.weight' after every 'model.' tensor)
         yield model, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
