@@ -362,3 +362,28 @@ def test_release_weight_without_scale_is_named():
     s = torch.ones(1, 1).to(torch.float8_e8m0fnu)
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.scale: no layers\.0\.attn\.wkv\.weight"):
         list(dequantize_release([("layers.0.attn.wkv.scale", s)], (128, 128)))
+
+
+# One expert's down projection, or one shard of a fused projection, missing from the checkpoint: vLLM
+# counts a fused parameter as loaded once any shard of it is, so only the common loader's per-shard,
+# per-expert accounting can refuse these (named as the model's shard).
+DAMAGE = {
+    "tiny": [
+        ("model.layers.3.ffn.experts.5.w2.weight", "model.layers.3.mlp.experts.5.down_proj.weight"),
+        ("model.layers.1.attn.wkv.weight", "model.layers.1.self_attn.kv_proj.weight"),
+        ("model.layers.1.ffn.shared_experts.w3.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+    ],
+    "native": [
+        ("layers.3.ffn.experts.5.w2.weight", "model.layers.3.mlp.experts.5.down_proj.weight"),
+        ("layers.2.attn.wkv.weight", "model.layers.2.self_attn.kv_proj.weight"),
+        ("layers.2.ffn.shared_experts.w1.weight", "model.layers.2.mlp.shared_experts.gate_proj.weight"),
+    ],
+}
+
+
+@pytest.mark.parametrize("layout, drop, named", [(k, d, n) for k, v in DAMAGE.items() for d, n in v])
+def test_checkpoint_missing_an_expert_or_a_shard_is_refused_naming_it(dirs, vllm_model, layout, drop, named):
+    t = _tensors(dirs[layout])
+    del t[drop]
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor\(s\) the model needs: \['{re.escape(named)}'\]"):
+        vllm_model(dirs[layout]).load_weights(iter(t.items()))
