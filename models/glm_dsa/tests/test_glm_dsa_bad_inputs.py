@@ -97,10 +97,9 @@ def test_name_rules():
 # -- the weight loader on a model built in-process (vLLM's own layers and loader, no engine) ----------------
 
 
-@pytest.fixture(scope="module")
-def loader_case(tmp_path_factory):
-    """The tiny checkpoint's tensors and a GlmMoeDsaForCausalLM built for it (sparse path, max_model_len 64)."""
-    from safetensors.torch import load_file
+def _built(ckpt):
+    """The GlmMoeDsaForCausalLM vLLM builds for ``ckpt`` (sparse path, max_model_len 64; quantization
+    detected as at serve time), nothing loaded."""
     from vllm.config import set_current_vllm_config
     from vllm.engine.arg_utils import EngineArgs
     from vllm.model_executor.model_loader.utils import initialize_model
@@ -108,13 +107,20 @@ def loader_case(tmp_path_factory):
 
     from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
 
-    ckpt = build(tmp_path_factory.mktemp("glm_dsa_loader"), "tiny", index_topk=8)
     vllm_config = EngineArgs(model=str(ckpt), **{**DEFAULT_LLM_KWARGS, "max_model_len": 64}).create_engine_config()
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
         ensure_single_rank_parallel_state()
-        model = initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
-        # in name order, as vLLM reads a safetensors file ('rot.weight' after every 'model.' tensor)
-        yield model, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
+        return initialize_model(vllm_config=vllm_config, model_config=vllm_config.model_config)
+
+
+@pytest.fixture(scope="module")
+def loader_case(tmp_path_factory):
+    """The tiny checkpoint's tensors and a GlmMoeDsaForCausalLM built for it."""
+    from safetensors.torch import load_file
+
+    ckpt = build(tmp_path_factory.mktemp("glm_dsa_loader"), "tiny", index_topk=8)
+    # in name order, as vLLM reads a safetensors file ('rot.weight' after every 'model.' tensor)
+    return _built(ckpt), dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
 
 
 def test_loader_skips_and_loads(loader_case):
@@ -298,3 +304,23 @@ def test_startup_policy_wraps_vllms_hook(monkeypatch):
     vllm_side = getattr(vllm_models_config, "GlmMoeDsaForCausalLM", vllm_models_config.VerifyAndUpdateConfig)
     assert cls.__mro__[1] is vllm_side  # installed once, over vLLM's class
     assert cls.__name__ == "GlmDsaStartupPolicy"
+
+
+@pytest.mark.parametrize(
+    "drop, named",
+    [
+        ("model.layers.1.mlp.experts.3.down_proj.", "model.layers.1.mlp.experts.3.down_proj.weight"),
+        ("model.layers.1.mlp.shared_experts.up_proj.", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+    ],
+)
+def test_w8a8_export_missing_an_expert_or_a_shard_is_refused_naming_it(tmp_path_factory, drop, named):
+    """The ModelSlim layout: the dropped int8 weight goes with its scale and offset."""
+    from ascend_adapters.common.testing.modelslim import load_export
+
+    root = tmp_path_factory.mktemp("glm_dsa_w8a8_loader")
+    export = make_export(build(root, "tiny", index_topk=8), root / "w8a8", 3)
+    tensors = load_export(export)[0]
+    kept = [(n, t) for n, t in sorted(tensors.items()) if not n.startswith(drop)]
+    assert len(kept) < len(tensors)
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA checkpoint lacks \d+ .*\['{re.escape(named)}'"):
+        _built(export).load_weights(kept)
