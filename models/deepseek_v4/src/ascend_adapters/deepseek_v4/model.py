@@ -46,6 +46,7 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
+from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
@@ -471,13 +472,12 @@ class DeepseekV4Model(nn.Module):
         self.config = config
         self.hc_mult = config.hc_mult
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
-        self.layers = nn.ModuleList(
-            [
-                DeepseekV4DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}")
-                for i in range(config.num_hidden_layers)
-            ]
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: DeepseekV4DecoderLayer(config, extract_layer_index(prefix), quant_config, prefix),
+            prefix=maybe_prefix(prefix, "layers"),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = nn.Module()
@@ -497,7 +497,7 @@ class DeepseekV4Model(nn.Module):
     def forward(self, input_ids, positions, inputs_embeds=None):
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             streams = layer(streams, positions, input_ids)
         h = self.hc_head_op(
             streams,
@@ -537,10 +537,10 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         self.config = config
         quant_config = vllm_config.quant_config
         self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
-        self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
+        self.model = DeepseekV4Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if quant_config is not None and getattr(quant_config, "description", None) is not None:
             _check_description_covered(self, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)

@@ -42,6 +42,7 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
@@ -486,11 +487,14 @@ class GlmDsaModel(nn.Module):
             for name in ("index_n_heads", "index_head_dim"):
                 require_field(config, name)
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
-        self.layers = nn.ModuleList(
-            GlmDsaDecoderLayer(vllm_config, config, i, self.mode, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: GlmDsaDecoderLayer(
+                vllm_config, config, extract_layer_index(prefix), self.mode, prefix=prefix
+            ),
+            prefix=maybe_prefix(prefix, "layers"),
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # (param name, checkpoint name, expert id, shard id) of every routed expert
@@ -509,7 +513,7 @@ class GlmDsaModel(nn.Module):
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
         selection = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual, selection = layer(positions, hidden_states, residual, selection)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -543,8 +547,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.vllm_config = vllm_config
-        self.model = GlmDsaModel(vllm_config=vllm_config, prefix="model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=None, prefix="lm_head")
+        self.model = GlmDsaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
+        )
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -579,6 +585,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
             expert_mapping=self.model.expert_params_mapping,
             error=remap.GlmDsaWeightsError,
         )
-        for layer in self.model.layers:
+        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
             layer.self_attn.absorb_weights()
         return loaded
