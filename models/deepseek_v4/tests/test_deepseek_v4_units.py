@@ -159,8 +159,8 @@ def vllm_model(dirs):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
     from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
 
