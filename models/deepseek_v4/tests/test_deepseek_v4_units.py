@@ -159,8 +159,8 @@ def vllm_model(dirs):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
     from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
 
@@ -394,8 +394,8 @@ def quantized_dirs(tmp_path_factory):
     """The ModelSlim W8A8_DYNAMIC export (native names) and DeepSeek's FP8/FP4 release of the tiny model."""
     from _dsv4_cases import W8A8_PLAN
 
-    from ascend_adapters.common.testing.modelslim import export_w8a8
     from ascend_adapters.deepseek_v4.tiny import native_name, write_release
+    from ascend_adapters.testing.modelslim import export_w8a8
 
     root = tmp_path_factory.mktemp("dsv4q")
     float_dir = make_tiny(
@@ -412,7 +412,7 @@ def _engine_built(model_dir):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     cfg = EngineArgs(
         model=str(model_dir), dtype="float32", max_model_len=256, skip_tokenizer_init=True
@@ -434,7 +434,7 @@ QUANTIZED_DAMAGE = [
 
 @pytest.mark.parametrize("layout, drop, named", QUANTIZED_DAMAGE)
 def test_quantized_checkpoint_missing_an_expert_or_a_shard_is_refused_naming_it(quantized_dirs, layout, drop, named):
-    from ascend_adapters.common.testing.modelslim import load_export
+    from ascend_adapters.testing.modelslim import load_export
 
     t = load_export(quantized_dirs[layout])[0] if layout == "w8a8" else _tensors(quantized_dirs[layout])
     kept = {n: v for n, v in t.items() if not n.startswith(drop)}

@@ -16,8 +16,7 @@ from _glm_dsa_ref import add_tensor, build, random_prompts
 from _glm_dsa_w8a8 import ATTN_LINEARS, make_export
 
 from ascend_adapters.common import compat
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import DEFAULT_LLM_KWARGS
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.glm_dsa import remap
 from ascend_adapters.glm_dsa.config import (
     SPARSE_ENV,
@@ -26,6 +25,7 @@ from ascend_adapters.glm_dsa.config import (
     check_raw_config,
     choose_attention_mode,
 )
+from ascend_adapters.testing.parity import DEFAULT_LLM_KWARGS
 
 
 class _Cfg:
@@ -105,7 +105,7 @@ def _built(ckpt):
     from vllm.model_executor.model_loader.utils import initialize_model
     from vllm.utils.torch_utils import set_default_torch_dtype
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     vllm_config = EngineArgs(model=str(ckpt), **{**DEFAULT_LLM_KWARGS, "max_model_len": 64}).create_engine_config()
     with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
@@ -209,7 +209,7 @@ def _start_fails(ckpt, tmp_path, env=None, max_model_len=64, **llm_kwargs) -> st
         [
             sys.executable,
             "-m",
-            "ascend_adapters.common.testing.parity_worker",
+            "ascend_adapters.testing.parity_worker",
             str(spec_path),
             str(tmp_path / "out.pt"),
         ],
@@ -315,7 +315,7 @@ def test_startup_policy_wraps_vllms_hook(monkeypatch):
 )
 def test_w8a8_export_missing_an_expert_or_a_shard_is_refused_naming_it(tmp_path_factory, drop, named):
     """The ModelSlim layout: the dropped int8 weight goes with its scale and offset."""
-    from ascend_adapters.common.testing.modelslim import load_export
+    from ascend_adapters.testing.modelslim import load_export
 
     root = tmp_path_factory.mktemp("glm_dsa_w8a8_loader")
     export = make_export(build(root, "tiny", index_topk=8), root / "w8a8", 3)

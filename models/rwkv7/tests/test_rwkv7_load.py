@@ -18,8 +18,8 @@ def loader_case(tmp_path_factory):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
     from ascend_adapters.rwkv7 import register
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
     ckpt = make_tiny(tmp_path_factory.mktemp("rwkv7_loader") / "tiny")

@@ -14,7 +14,7 @@ dtype first.
 engine and platform (vLLM 0.32's CPU kernels take bfloat16/float16 activations only; 0.27/0.28 on
 CPU fall back to a bfloat16-only torch reference, and have no ``HCHeadOp`` there). An op that
 raises is not used; float32 models always take the portable ops; ``HCOps.source`` says which implementation each op got and why.
-``ASCEND_ADAPTERS_FORCE_PORTABLE=on`` keeps all three on the portable ops.
+``ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC=on`` keeps all three on the portable ops.
 """
 
 from __future__ import annotations
@@ -28,11 +28,11 @@ import torch
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.flags import env_flag
-from ascend_adapters.common.platform import FORCE_PORTABLE_ENV
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 
 POST_MULT = 2.0  # DeepSeek-V4's post-mix multiplier (2 * sigmoid)
 VLLM = "vllm"
+PORTABLE_MHC_ENV = "ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC"  # on: the portable ops, never vLLM's
 logger = logging.getLogger("ascend_adapters")
 # The activation dtypes vLLM's mHC ops are specified for (their docstrings; 0.32's CPU kernels refuse
 # float32, while 0.27/0.28's torch fallback of the post op would run it unspecified).
@@ -64,8 +64,8 @@ def hc_ops(config, dtype: torch.dtype) -> HCOps:
 @functools.lru_cache(maxsize=8)
 def _select(dtype, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> HCOps:
     ops = {"pre": dispatch.op("dsv4.hc_pre"), "post": dispatch.op("dsv4.hc_post"), "head": dispatch.op("dsv4.hc_head")}
-    if env_flag(FORCE_PORTABLE_ENV):
-        return HCOps(**ops, source=dict.fromkeys(ops, f"portable: {FORCE_PORTABLE_ENV} is on"))
+    if env_flag(PORTABLE_MHC_ENV):
+        return HCOps(**ops, source=dict.fromkeys(ops, f"portable: {PORTABLE_MHC_ENV} is on"))
     if dtype not in VLLM_DTYPES:
         return HCOps(**ops, source=dict.fromkeys(ops, f"portable: vLLM's mHC ops take bfloat16/float16, not {dtype}"))
     classes = compat.mhc_op_classes()

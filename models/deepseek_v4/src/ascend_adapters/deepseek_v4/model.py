@@ -63,6 +63,7 @@ from ascend_adapters.deepseek_v4.config import (
 )
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
+from ascend_adapters.deepseek_v4.memory import state_dims, state_shapes
 from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import (
@@ -77,34 +78,6 @@ from ascend_adapters.deepseek_v4.remap import (
 
 op = dispatch.op
 logger = logging.getLogger("ascend_adapters")
-
-
-# ---------------------------------------------------------------- state sizing
-def state_dims(config, max_model_len: int) -> dict:
-    """Per-layer state sizes shared by every attention layer (uniform page)."""
-    types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
-    rates = config.compress_rates
-    csa = rates.get(LAYER_CSA, 4) if LAYER_CSA in types else None
-    hca = rates.get(LAYER_HCA, 128) if LAYER_HCA in types else None
-    ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
-    min_rate = min([r for r in (csa, hca) if r] or [0]) or None
-    entries = (max_model_len // min_rate + 1) if min_rate else 1
-    return {
-        "window": int(config.sliding_window),
-        "ring": int(ring),
-        "entries": int(entries),
-        "index_dim": int(config.index_head_dim) if csa else 1,
-    }
-
-
-def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
-    d = state_dims(config, max_model_len)
-    return (
-        (d["window"], config.head_dim),
-        (d["ring"], config.hidden_size),
-        (d["entries"], config.head_dim),
-        (d["entries"], d["index_dim"]),
-    )
 
 
 def _sharded_loader(dim: int):

@@ -44,7 +44,7 @@ from vllm.model_executor.models.utils import WeightsMapper
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common import cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
@@ -402,7 +402,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaP
         self.config = config
         self.vllm_config = vllm_config
         if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
-            compat.enable_cpu_mamba_state_copy()
+            cpu_patches.enable_cpu_mamba_state_copy()
         self.model = Rwkv7Model(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
