@@ -58,3 +58,36 @@ def test_npu_only_op_falls_back_with_error():
 
     with pytest.raises(LookupError, match="no portable implementation"):
         dispatch.op("test.npu_only").resolve(KernelPath.PORTABLE)
+
+
+def test_choose_takes_the_first_candidate_that_serves(monkeypatch):
+    @dispatch.portable("test.chosen")
+    def own(x):
+        return x
+
+    def engine(x):
+        return -x
+
+    monkeypatch.delenv(platform.FORCE_PORTABLE_ENV, raising=False)
+    tried = []
+
+    def refuses():
+        tried.append("a")
+        return "no kernel for this shape"
+
+    def serves():
+        tried.append("b")
+        return engine
+
+    choice = dispatch.choose("test.chosen", [("a", refuses), ("b", serves)])
+    assert choice.fn is engine and choice.source == "b" and tried == ["a", "b"]
+    choice = dispatch.choose("test.chosen", [("a", refuses)])
+    assert choice.fn is dispatch.op("test.chosen") and choice.source == "portable: no kernel for this shape"
+
+    monkeypatch.setenv(platform.FORCE_PORTABLE_ENV, "1")
+    tried.clear()
+    forced = dispatch.choose("test.chosen", [("b", serves)])
+    assert forced.fn is dispatch.op("test.chosen") and tried == []
+    assert forced.source == f"portable: {platform.FORCE_PORTABLE_ENV} is on"
+    # a candidate that is part of the portable path itself stays eligible
+    assert dispatch.choose("test.chosen", [("b", serves)], force_portable_applies=False).source == "b"
