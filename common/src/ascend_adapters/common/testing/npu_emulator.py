@@ -5,7 +5,7 @@ input its documentation does not allow (dtype combinations, ranks, layouts, grou
 limits) with an :class:`NpuContractError` naming the argument, and otherwise computes the documented
 formula on CPU. The rule beside each check cites the Ascend op-plugin page it comes from
 (``docs/zh/custom_APIs/torch_npu/<page>.md`` in github.com/Ascend/op-plugin, read at commit 517f2e7d,
-2026-08-21) and the section (功能说明 = description/formula, 参数说明 = parameters,
+2026-08-21; npu_clipped_swiglu at 12c385b8 and npu_grouped_matmul's float rows at 02ea4757) and the section (功能说明 = description/formula, 参数说明 = parameters,
 约束说明 = constraints). Where this project relies on a behaviour the page does not state (rounding
 mode, saturation, an all-zero row), the emulator picks one and says "(unverified)".
 

@@ -2,8 +2,9 @@
 
 Calls to the Ascend operators vllm-ascend uses for the same formats:
 ``npu_dynamic_quant`` / ``npu_quantize``, ``npu_quant_matmul``,
-``npu_grouped_matmul`` and ``npu_swiglu``. Weights are pre-transposed to
-``[K, N]`` (``[E, K, N]`` for experts) once after loading by ``pack_weight``.
+``npu_grouped_matmul`` and ``npu_swiglu`` / ``npu_clipped_swiglu`` (through
+common.kernels). Weights are pre-transposed to ``[K, N]`` (``[E, K, N]`` for
+experts) once after loading by ``pack_weight``.
 
 Each call keeps to the operator's documented contract (Ascend op-plugin,
 docs/zh/custom_APIs/torch_npu/*.md); the contracts are checked on CPU by the
