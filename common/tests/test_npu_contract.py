@@ -280,6 +280,19 @@ def _case_swiglu_experts(dtype, g, e=4, h=48, i=32, t=13, k=2):
         assert rel <= 2 * (2 + 3 + k) * U[dtype], rel
 
 
+def _case_glm_cache_rows(dtype, g):
+    from ascend_adapters.glm_dsa import kernels as glm  # noqa: F401  (registers glm_dsa.cache_rows)
+
+    cache = torch.randn(6, 4, 40, generator=g).to(dtype)
+    slots = torch.randint(0, 24, (3, 5, 7), generator=g)
+    slots[0, 0, 0] = 0  # so that slots - 1 below holds a negative index
+    y = _npu("glm_dsa.cache_rows")(cache, slots)
+    # a gather copies rows: equal to the portable form bit for bit
+    assert torch.equal(y, _port("glm_dsa.cache_rows")(cache, slots))
+    with pytest.raises(NpuContractError, match="no negative indices"):
+        _npu("glm_dsa.cache_rows")(cache, slots - 1)
+
+
 TWINS = {
     "modelslim.pack_weight": _case_pack_weight,
     "modelslim.w8a8_dynamic_linear": _case_dynamic_linear,
@@ -288,6 +301,7 @@ TWINS = {
     "common.rope_interleaved": _case_rope,
     "common.swiglu": _case_swiglu,
     "common.swiglu_experts": _case_swiglu_experts,
+    "glm_dsa.cache_rows": _case_glm_cache_rows,
 }
 
 

@@ -446,6 +446,29 @@ def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, b
     return y.movedim(-1, dim).to(x.dtype)
 
 
+# --- npu_gather_sparse_index -------------------------------------------------------------------------
+_GATHER = "torch_npu-npu_gather_sparse_index.md"
+_GATHER_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float64, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+def npu_gather_sparse_index(input, index):
+    op = "npu_gather_sparse_index"
+    _trace(op)
+    # 参数说明 input: the dtypes listed; index: int64 or int32, at most 7 dims, values in [0, input.shape[0] - 1]
+    _require(input.dtype in _GATHER_DTYPES, op, _GATHER, "参数说明 input", f"{input.dtype}")
+    _require(index.dtype in (torch.int64, torch.int32), op, _GATHER, "参数说明 index", f"{index.dtype}")
+    _require(index.dim() <= 7, op, _GATHER, "参数说明 index", f"rank {index.dim()} (at most 7)")
+    ok = index.numel() == 0 or (int(index.min()) >= 0 and int(index.max()) <= input.shape[0] - 1)
+    _require(ok, op, _GATHER, "参数说明 index", f"values outside [0, {input.shape[0] - 1}] (no negative indices)")
+    # 约束说明: "index.dim + input.dim - 1 <= 8"
+    _require(index.dim() + input.dim() - 1 <= 8, op, _GATHER, "约束说明", "index.dim + input.dim - 1 > 8")
+    # 功能说明: y[i, j] = x[idx[i], j]; 返回值说明: shape index.shape + input.shape[1:], input's dtype
+    return input.index_select(0, index.reshape(-1).long()).view(*index.shape, *input.shape[1:])
+
+
 # --- npu_rotary_mul ----------------------------------------------------------------------------------
 _ROPE = "torch_npu-npu_rotary_mul.md"
 
@@ -529,4 +552,5 @@ __all__ = [
     "npu_swiglu",
     "npu_clipped_swiglu",
     "npu_rotary_mul",
+    "npu_gather_sparse_index",
 ]

@@ -25,7 +25,8 @@ kv_lora_rank, P = rope dim.
   same dot products because queries and keys are permuted alike.
 * ``glm_dsa.cache_write`` / ``glm_dsa.cache_gather`` / ``glm_dsa.cache_rows``:
   the paged cache ``[blocks, block_size, C]``; write rows at slots, read one
-  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor.
+  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor (the
+  sparse attention's gather; NPU twin ``npu_gather_sparse_index``).
 * ``glm_dsa.indexer_topk``: lightning-indexer scores and the top-k context
   positions per query among its valid (causal) keys, ``-1`` where a query has
   fewer than ``topk`` valid keys.
@@ -67,6 +68,15 @@ def cache_rows_portable(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tenso
     """Rows at ``slots [...]`` (any shape, all valid slot ids) of ``cache [B, N, C]``: ``[..., C]``."""
     flat = cache.view(-1, cache.shape[-1])
     return flat.index_select(0, slots.reshape(-1).to(torch.long)).view(*slots.shape, cache.shape[-1])
+
+
+@dispatch.npu("glm_dsa.cache_rows")
+def cache_rows_npu(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``npu_gather_sparse_index``: y[i, :] = x[idx[i], :] (npu_gather_sparse_index.md 功能说明)."""
+    import torch_npu
+
+    flat = cache.view(-1, cache.shape[-1])
+    return torch_npu.npu_gather_sparse_index(flat, slots.to(torch.long))
 
 
 @dispatch.portable("glm_dsa.indexer_topk")
