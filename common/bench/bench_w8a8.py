@@ -89,7 +89,7 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
 
     from ascend_adapters.common import compat, dispatch
     from ascend_adapters.common.quant.kernels import portable
-    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
+    from ascend_adapters.testing.modelslim import quantize_weight_per_channel
 
     op = dispatch.op("modelslim.w8a8_dynamic_linear")
     engine_gemm = compat.cpu_int8_gemm() is not None
@@ -161,7 +161,7 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small shape, few repetitions (CI smoke)")
@@ -200,7 +200,7 @@ def main(argv=None) -> int:
 
 
 def _evidence(result: dict, argv):
-    from ascend_adapters.common.testing.evidence import EvidenceRecord
+    from ascend_adapters.common.evidence import EvidenceRecord
 
     s = result["summary"]
     rec = EvidenceRecord(model="common-quant", gate="bench-w8a8")

@@ -11,7 +11,7 @@ def tiny_llama_modelslim_exports(tmp_path_factory):
 
     Read-only for the tests: a test that mutates an export copies it first.
     """
-    from ascend_adapters.common.testing import modelslim
+    from ascend_adapters.testing import modelslim
 
     reason = modelslim.msmodelslim_missing_reason()
     if reason:

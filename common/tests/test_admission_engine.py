@@ -16,7 +16,7 @@ import pytest
 
 from ascend_adapters.common import compat
 from ascend_adapters.common.admission import build_manifest, dump_manifest
-from ascend_adapters.common.testing.factory import make_tiny_llama
+from ascend_adapters.testing.factory import make_tiny_llama
 
 
 @pytest.fixture(scope="module")

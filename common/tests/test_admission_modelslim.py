@@ -17,7 +17,7 @@ from test_admission_support import copy_artifact, rewrite_without, shards_of
 
 from ascend_adapters.common.admission import build_manifest, check_dir, inspect_dir
 from ascend_adapters.common.admission.report import Report
-from ascend_adapters.common.testing import modelslim
+from ascend_adapters.testing import modelslim
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +99,7 @@ def _ranges(src: Path) -> dict:
 
 @pytest.mark.parametrize("style", ["new", "old"])
 def test_documented_exporter_admitted(tmp_path, style):
-    from ascend_adapters.common.testing.factory import make_tiny_llama
+    from ascend_adapters.testing.factory import make_tiny_llama
 
     src = make_tiny_llama(tmp_path / "float", seed=3)
     plan = {"*.self_attn.*": "W8A8", "*.mlp.*": "W8A8_DYNAMIC"}
@@ -117,7 +117,7 @@ def test_documented_exporter_per_expert_layout(tmp_path):
     """Per-expert MoE names (experts.{e}.gate_proj/up_proj/down_proj) with W8A8_DYNAMIC companions."""
     import torch
 
-    from ascend_adapters.common.testing.factory import make_checkpoint, tiny_llama_config
+    from ascend_adapters.testing.factory import make_checkpoint, tiny_llama_config
 
     cfg = tiny_llama_config(num_hidden_layers=1)
     g = torch.Generator().manual_seed(0)

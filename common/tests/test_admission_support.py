@@ -31,13 +31,13 @@ LINEARS = (
 
 
 def make_float_single(out: Path) -> Path:
-    from ascend_adapters.common.testing.factory import make_tiny_llama
+    from ascend_adapters.testing.factory import make_tiny_llama
 
     return make_tiny_llama(out, seed=0)
 
 
 def make_float_sharded(out: Path) -> Path:
-    from ascend_adapters.common.testing.factory import make_checkpoint, tiny_llama_config, tiny_llama_weights
+    from ascend_adapters.testing.factory import make_checkpoint, tiny_llama_config, tiny_llama_weights
 
     return make_checkpoint(out, tiny_llama_config(), lambda c: tiny_llama_weights(c, seed=1), max_shard_bytes=400_000)
 
@@ -46,7 +46,7 @@ def modelslim_tensors(kind: str, seed: int = 2) -> tuple[dict, dict]:
     """(tensors, description) of a W8A8 export of the tiny Llama; kind is 'dynamic' or 'static'."""
     import torch
 
-    from ascend_adapters.common.testing.factory import tiny_llama_config, tiny_llama_weights
+    from ascend_adapters.testing.factory import tiny_llama_config, tiny_llama_weights
 
     cfg = tiny_llama_config()
     weights = tiny_llama_weights(cfg, seed=seed)
@@ -82,8 +82,8 @@ def modelslim_tensors(kind: str, seed: int = 2) -> tuple[dict, dict]:
 
 
 def make_modelslim(out: Path, kind: str) -> Path:
-    from ascend_adapters.common.testing.factory import tiny_llama_config, write_safetensors_shards
-    from ascend_adapters.common.testing.tokenizer import write_tokenizer
+    from ascend_adapters.common.tokenizer import write_tokenizer
+    from ascend_adapters.testing.factory import tiny_llama_config, write_safetensors_shards
 
     out.mkdir(parents=True, exist_ok=True)
     cfg = tiny_llama_config()

@@ -1,11 +1,13 @@
 """The import rules and rooms of docs/architecture.md, checked mechanically (AST scan, nothing imported).
 
 * common never imports an adapter; an adapter never imports another adapter.
-* Engine versions are known in one place: ``engine_version``/``engine_at_least`` and the engine's own
-  version (``vllm.__version__``, ``vllm.version``) appear only in common/compat.py; adapters import no
+* Engine versions are known in one place: ``engine_version`` and the engine's own version
+  (``vllm.__version__``, ``vllm.version``) appear only in common/compat/; adapters import no
   ``packaging`` (no version comparisons of their own).
 * Every adapter package has the same rooms, its ``__init__`` imports no torch/vLLM/transformers at
   module level, and test-only references live under tests/, not in the wheel.
+* common's rooms are the ones docs/architecture.md names; nothing a user runs (common, the adapters)
+  imports the test layer ``ascend_adapters.testing`` (its own distribution, see test_wheels.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 COMMON_SRC = ROOT / "common" / "src" / "ascend_adapters" / "common"
-COMPAT = COMMON_SRC / "compat.py"
+COMPAT = COMMON_SRC / "compat"
+TESTING = "ascend_adapters.testing"
 ADAPTERS = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "src" / "ascend_adapters" / p.name).is_dir())
 ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kernels.py", "tiny.py")
 # Files an adapter may have besides its rooms, each with a role docs/architecture.md names.
@@ -27,7 +30,34 @@ EXTRA_ROOMS = {
     "deepseek_v4": {"moe.py", "dequant.py", "memory.py", "mhc.py"},
 }
 HEAVY = ("torch", "vllm", "transformers", "torch_npu")
-VERSION_NAMES = {"engine_version", "engine_at_least"}
+VERSION_NAMES = {"engine_version"}
+# The rooms of common (modules and packages under ascend_adapters/common/), each a row of
+# docs/architecture.md's table "The rooms of common".
+COMMON_ROOMS = {
+    "__init__.py",
+    "platform.py",
+    "dispatch.py",
+    "compat",
+    "cpu_patches.py",
+    "flags.py",
+    "policy.py",
+    "registry.py",
+    "admission",
+    "status.py",
+    "quant",
+    "kernels",
+    "loading.py",
+    "remap.py",
+    "plugin.py",
+    "cli.py",
+    "demo.py",
+    "gate",
+    "server.py",
+    "launcher.py",
+    "evidence",
+    "tokenizer.py",
+    "versions.py",
+}
 
 
 def _src_files(pkg_dir: Path) -> list[Path]:
@@ -110,8 +140,8 @@ def _version_uses(path: Path) -> list[str]:
 def test_engine_versions_are_known_only_in_compat():
     files = _src_files(COMMON_SRC) + [f for a in ADAPTERS for f in _src_files(_adapter_dir(a))]
     files += sorted((ROOT / "models").glob("*/bench/*.py")) + sorted((ROOT / "common" / "bench").glob("*.py"))
-    bad = [f"{p.relative_to(ROOT)}:{use}" for p in files if p != COMPAT for use in _version_uses(p)]
-    assert not bad, "engine-version checks belong in common/compat.py (add a named function there):\n" + "\n".join(bad)
+    bad = [f"{p.relative_to(ROOT)}:{use}" for p in files if COMPAT not in p.parents for use in _version_uses(p)]
+    assert not bad, "engine-version checks belong in common/compat/ (add a named function there):\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("adapter", ADAPTERS)
@@ -205,7 +235,9 @@ def test_every_environment_variable_is_in_the_serve_table():
     import re
 
     code = [ROOT / "noxfile.py", ROOT / "conftest.py"]
-    code += [p for d in ("common", "models") for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts]
+    code += [
+        p for d in ("common", "models", "testing") for p in (ROOT / d).rglob("*.py") if "__pycache__" not in p.parts
+    ]
     names = set()
     for p in code:
         names |= set(re.findall(r"ASCEND_ADAPTERS_[A-Z0-9_]*[A-Z0-9]", p.read_text()))
@@ -214,3 +246,43 @@ def test_every_environment_variable_is_in_the_serve_table():
     assert names, "no variables found: the scan is broken"
     assert not names - rows, f"missing from docs/serve.md's table: {sorted(names - rows)}"
     assert not rows - names, f"in docs/serve.md's table but read nowhere: {sorted(rows - names)}"
+
+
+def test_common_has_the_rooms_the_doc_names():
+    have = {p.name for p in COMMON_SRC.iterdir() if p.name != "__pycache__" and (p.suffix == ".py" or p.is_dir())}
+    unexplained = have - COMMON_ROOMS
+    assert not unexplained, f"common: {sorted(unexplained)} have no room in docs/architecture.md"
+    missing = COMMON_ROOMS - have
+    assert not missing, f"common lacks {sorted(missing)} (update COMMON_ROOMS and docs/architecture.md)"
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    table = doc[doc.index("## The rooms of common") :].split("\n## ")[0]
+    for room in COMMON_ROOMS - {"__init__.py"}:
+        name = room.removesuffix(".py")
+        assert f"`{name}`" in table, f"docs/architecture.md's table of common's rooms lacks `{name}`"
+
+
+def _mentions_testing(tree: ast.AST) -> list[str]:
+    found = [f"{line}: import {mod}" for line, mod in _imports(tree) if mod == TESTING or mod.startswith(TESTING + ".")]
+    for node in ast.walk(tree):  # importlib.import_module("ascend_adapters.testing..."), entry lists
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith(TESTING):
+            found.append(f"{node.lineno}: {node.value!r}")
+    return found
+
+
+def test_nothing_a_user_runs_imports_the_test_layer():
+    """common and the adapters (the gate, the CLI, the demo, every tiny.py included) never reach
+    ascend_adapters.testing, at module level or inside a function."""
+    files = _src_files(COMMON_SRC) + [f for a in ADAPTERS for f in _src_files(_adapter_dir(a))]
+    bad = [f"{p.relative_to(ROOT)}:{use}" for p in files for use in _mentions_testing(_parse(p))]
+    assert not bad, f"user code reaches the test layer ({TESTING}):\n" + "\n".join(bad)
+
+
+def test_deepseek_v4_memory_is_config_arithmetic():
+    """memory.py sizes state and weights from a config; the model imports it, never the reverse."""
+    memory = _adapter_dir("deepseek_v4") / "memory.py"
+    bad = [
+        f"{line}: {mod}"
+        for line, mod in _imports(_parse(memory))
+        if mod.startswith("ascend_adapters.deepseek_v4.") and not mod.startswith("ascend_adapters.deepseek_v4.config")
+    ]
+    assert not bad, f"{memory.relative_to(ROOT)} imports more than the config:\n" + "\n".join(bad)

@@ -91,7 +91,7 @@ def test_moe_select_experts_prefers_the_layers_model_router(monkeypatch):
     def engine_routing(**kwargs):
         raise AssertionError("the engine's routing was used for a layer with its own router")
 
-    monkeypatch.setattr(compat, "_engine_select_experts", lambda: engine_routing)
+    monkeypatch.setattr(compat.shims, "_engine_select_experts", lambda: engine_routing)
     seen = {}
 
     class ModelRouter:

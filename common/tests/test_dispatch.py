@@ -68,7 +68,6 @@ def test_choose_takes_the_first_candidate_that_serves(monkeypatch):
     def engine(x):
         return -x
 
-    monkeypatch.delenv(platform.FORCE_PORTABLE_ENV, raising=False)
     tried = []
 
     def refuses():
@@ -84,10 +83,10 @@ def test_choose_takes_the_first_candidate_that_serves(monkeypatch):
     choice = dispatch.choose("test.chosen", [("a", refuses)])
     assert choice.fn is dispatch.op("test.chosen") and choice.source == "portable: no kernel for this shape"
 
-    monkeypatch.setenv(platform.FORCE_PORTABLE_ENV, "1")
+    switch = "ASCEND_ADAPTERS_FLAGS_TEST"  # the scratch variable of test_flags.py
+    monkeypatch.setenv(switch, "1")
     tried.clear()
-    forced = dispatch.choose("test.chosen", [("b", serves)])
-    assert forced.fn is dispatch.op("test.chosen") and tried == []
-    assert forced.source == f"portable: {platform.FORCE_PORTABLE_ENV} is on"
-    # a candidate that is part of the portable path itself stays eligible
-    assert dispatch.choose("test.chosen", [("b", serves)], force_portable_applies=False).source == "b"
+    kept = dispatch.choose("test.chosen", [("b", serves)], switch=switch)
+    assert kept.fn is dispatch.op("test.chosen") and tried == [] and kept.source == f"portable: {switch} is on"
+    monkeypatch.setenv(switch, "0")
+    assert dispatch.choose("test.chosen", [("b", serves)], switch=switch).source == "b"

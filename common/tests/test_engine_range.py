@@ -16,7 +16,7 @@ import pytest
 
 from ascend_adapters.common import compat
 from ascend_adapters.common.server import VllmServer, serve_command
-from ascend_adapters.common.testing.factory import make_tiny_llama
+from ascend_adapters.testing.factory import make_tiny_llama
 
 OVERRIDE = compat.ENGINE_OVERRIDE_ENV
 
@@ -96,7 +96,7 @@ def test_status_reports_engine_range_and_override(tmp_path, override):
 
 
 def test_status_in_range_for_the_installed_engine():
-    from ascend_adapters.common.admission.render import format_status, status
+    from ascend_adapters.common.status import format_status, status
 
     st = status()
     if st["engine"]["version"] is None:

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
+from ascend_adapters.common import evidence as ev
 from ascend_adapters.common.cli import main as cli_main
-from ascend_adapters.common.testing import evidence as ev
 
 
 @pytest.fixture

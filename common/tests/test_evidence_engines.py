@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import json
 
-from ascend_adapters.common import compat
-from ascend_adapters.common.testing import evidence
-from ascend_adapters.common.testing.evidence import EvidenceRecord, record_name, write_index
+from ascend_adapters.common import compat, evidence
+from ascend_adapters.common.evidence import EvidenceRecord, record_name, write_index
 
 
 def test_record_name_per_engine():

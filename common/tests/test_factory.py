@@ -2,7 +2,7 @@ import json
 
 from safetensors import safe_open
 
-from ascend_adapters.common.testing.factory import (
+from ascend_adapters.testing.factory import (
     make_checkpoint,
     make_tiny_llama,
     tiny_llama_config,

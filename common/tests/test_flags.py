@@ -94,6 +94,45 @@ def test_force_portable_reads_the_vocabulary(monkeypatch):
         platform.kernel_path.cache_clear()
 
 
+def test_force_portable_means_the_kernel_path_only(monkeypatch):
+    """ASCEND_ADAPTERS_FORCE_PORTABLE has one meaning: common's dispatch path. DeepSeek-V4's mHC ops
+    have their own switch (ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC); who serves an architecture is
+    ASCEND_ADAPTERS_<MODEL> (test_native_first.py)."""
+    from types import SimpleNamespace
+
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    mhc = pytest.importorskip("ascend_adapters.deepseek_v4.mhc")
+    config = SimpleNamespace(hc_mult=4, hidden_size=64, hc_sinkhorn_iters=3, hc_eps=1e-6, rms_norm_eps=1e-6)
+    reason = f"portable: {mhc.PORTABLE_MHC_ENV} is on"
+    with set_current_vllm_config(VllmConfig()):  # vLLM's mHC ops are CustomOps: built under a config
+        _check_mhc_switches(monkeypatch, mhc, config, reason)
+
+
+def _check_mhc_switches(monkeypatch, mhc, config, reason):
+    import torch
+
+    try:
+        monkeypatch.setenv("ASCEND_ADAPTERS_FORCE_PORTABLE", "on")
+        monkeypatch.delenv(mhc.PORTABLE_MHC_ENV, raising=False)
+        mhc._select.cache_clear()
+        sources = mhc.hc_ops(config, torch.bfloat16).source
+        assert set(sources) == {"pre", "post", "head"}
+        assert not any("FORCE_PORTABLE" in s or s == reason for s in sources.values()), sources
+
+        monkeypatch.delenv("ASCEND_ADAPTERS_FORCE_PORTABLE")
+        monkeypatch.setenv(mhc.PORTABLE_MHC_ENV, "on")
+        mhc._select.cache_clear()
+        assert mhc.hc_ops(config, torch.bfloat16).source == dict.fromkeys(("pre", "post", "head"), reason)
+
+        monkeypatch.setenv(mhc.PORTABLE_MHC_ENV, "portable")  # a switch: on/off words only
+        mhc._select.cache_clear()
+        with pytest.raises(FlagError, match=mhc.PORTABLE_MHC_ENV):
+            mhc.hc_ops(config, torch.bfloat16)
+    finally:
+        mhc._select.cache_clear()
+
+
 def test_modelslim_auto_reads_the_vocabulary(monkeypatch):
     from ascend_adapters.common.quant import detect
 
@@ -107,7 +146,7 @@ def test_modelslim_auto_reads_the_vocabulary(monkeypatch):
 
 
 def test_probe_switch_reads_the_vocabulary(monkeypatch):
-    from ascend_adapters.common.testing import probe
+    from ascend_adapters.testing import probe
 
     monkeypatch.setenv(probe.PROBE_ENV, "enabled")  # was silently "off"
     with pytest.raises(FlagError, match=probe.PROBE_ENV):

@@ -25,14 +25,14 @@ import pytest
 from ascend_adapters.common.admission import build_manifest, dump_manifest
 from ascend_adapters.common.cli import build_parser
 from ascend_adapters.common.cli import main as cli_main
+from ascend_adapters.common.evidence import record_name
 from ascend_adapters.common.gate import GATE_NAME
 from ascend_adapters.common.gate import serve_args as sa
 from ascend_adapters.common.gate.cli import split_rest
 from ascend_adapters.common.gate.runner import GREEDY_PROMPT, GREEDY_TOKENS
 from ascend_adapters.common.server import CPU_TEST_ARGS, group_members
-from ascend_adapters.common.testing.evidence import record_name
-from ascend_adapters.common.testing.factory import make_tiny_llama
-from ascend_adapters.common.testing.probe import PROBE_ENV
+from ascend_adapters.testing.factory import make_tiny_llama
+from ascend_adapters.testing.probe import PROBE_ENV
 
 PROBE = "AscendProbeLlamaForCausalLM"
 CRASHING = "AscendProbeCrashingLlamaForCausalLM"

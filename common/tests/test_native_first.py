@@ -155,6 +155,16 @@ def test_forcing_the_adapter_on_such_a_platform(tmp_path):
     assert out["targets"][DSV4].startswith("ascend_adapters.deepseek_v4.")
 
 
+def test_force_portable_does_not_choose_who_serves(tmp_path):
+    """ASCEND_ADAPTERS_FORCE_PORTABLE is the kernel path only (it once also forced the DeepSeek-V4
+    adapter): on a platform that serves both architectures they stay the platform's."""
+    site = _write_fake_platform(tmp_path, registers_models=True, modelslim=True)
+    env = _env(site, ASCEND_ADAPTERS_FORCE_PORTABLE="on")
+    out = json.loads(_run([sys.executable, "-c", ORDER_SCRIPT, "ours-first"], env).strip().splitlines()[-1])
+    assert out["serves"] == {GLM: "native", DSV4: "native"}
+    assert out["targets"] == {GLM: FAKE_TARGET, DSV4: FAKE_TARGET}
+
+
 def test_older_platform_without_the_model_gets_the_adapter_and_modelslim(tmp_path):
     site = _write_fake_platform(tmp_path, registers_models=False, modelslim=True)
     st = _status(site, _export(tmp_path, GLM))

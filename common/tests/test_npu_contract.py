@@ -1,6 +1,6 @@
 """The NPU kernel path on CPU, through the torch_npu CONTRACT EMULATOR (not an NPU run).
 
-``ascend_adapters.common.testing.npu_emulator`` refuses every call torch_npu's documentation does not
+``ascend_adapters.testing.npu_emulator`` refuses every call torch_npu's documentation does not
 allow and otherwise computes the documented formula. Here it stands in for ``torch_npu`` so that:
 
 * each contract rule the NPU path depends on is shown to fire (the emulator is not a pass-through);
@@ -20,8 +20,8 @@ torch = pytest.importorskip("torch")
 from ascend_adapters.common import dispatch, platform  # noqa: E402
 from ascend_adapters.common.platform import KernelPath  # noqa: E402
 from ascend_adapters.common.quant.kernels import portable as pk  # noqa: E402
-from ascend_adapters.common.testing import npu_emulator as emu  # noqa: E402
-from ascend_adapters.common.testing.npu_emulator import NpuContractError  # noqa: E402
+from ascend_adapters.testing import npu_emulator as emu  # noqa: E402
+from ascend_adapters.testing.npu_emulator import NpuContractError  # noqa: E402
 
 # Unit roundoff u (half an ulp at 1.0) of each output dtype.
 U = {torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8, torch.float32: 2.0**-24}

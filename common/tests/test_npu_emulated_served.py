@@ -26,8 +26,8 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from ascend_adapters.common.platform import EMULATOR_ENV  # noqa: E402
-from ascend_adapters.common.testing import npu_emulator  # noqa: E402
-from ascend_adapters.common.testing.parity import vllm_logits  # noqa: E402
+from ascend_adapters.testing import npu_emulator  # noqa: E402
+from ascend_adapters.testing.parity import vllm_logits  # noqa: E402
 
 pytestmark = [pytest.mark.vllm]
 
@@ -77,7 +77,7 @@ def test_w8a8_linear_served_through_npu_emulator(tiny_llama_modelslim_exports, m
 def test_w8a8_dynamic_moe_served_through_npu_emulator(tmp_path):
     from test_quant_moe_served import PLAN, _float_checkpoint
 
-    from ascend_adapters.common.testing.modelslim import export_w8a8
+    from ascend_adapters.testing.modelslim import export_w8a8
 
     src, out = tmp_path / "float", tmp_path / "export"
     _float_checkpoint(src)

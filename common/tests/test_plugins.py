@@ -34,7 +34,7 @@ def test_register_is_idempotent_and_lazy(hook, monkeypatch):
 def test_probe_registers_nothing_unless_enabled():
     code = (
         "import os; os.environ.pop('ASCEND_ADAPTERS_TEST_PROBE', None)\n"
-        "from ascend_adapters.common.testing import probe\n"
+        "from ascend_adapters.testing import probe\n"
         "from vllm import ModelRegistry\n"
         "probe.register()\n"
         "print(any(a in ModelRegistry.get_supported_archs() for a in probe.PROBE_ARCHITECTURES))\n"

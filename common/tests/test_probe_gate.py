@@ -9,11 +9,11 @@ import json
 import pytest
 import torch
 
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.common.server import ServerStartError, VllmServer
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.factory import make_tiny_llama
-from ascend_adapters.common.testing.parity import compare, vllm_logits
-from ascend_adapters.common.testing.probe import PROBE_ENV
+from ascend_adapters.testing.factory import make_tiny_llama
+from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.probe import PROBE_ENV
 
 ARCH = "AscendProbeLlamaForCausalLM"
 OVERRIDE = json.dumps({"architectures": [ARCH]})

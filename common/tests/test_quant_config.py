@@ -142,7 +142,7 @@ def vllm_env():
     from vllm.config import VllmConfig, set_current_vllm_config
 
     from ascend_adapters.common.quant import register
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
     cfg = VllmConfig()
@@ -187,7 +187,7 @@ def test_fused_qkv_type_mismatch_fails_at_layer_build(vllm_env):
 
 
 def test_dynamic_qkv_loads_shards_and_matches_reference(vllm_env):
-    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+    from ascend_adapters.testing.modelslim import ReferenceLinear
 
     qc = _config(
         {f"m.l.{p}.weight": "W8A8_DYNAMIC" for p in ("q_proj", "k_proj", "v_proj")},
@@ -216,7 +216,7 @@ def test_static_gate_up_loads_both_deq_encodings(vllm_env, deq_dtype):
     from vllm.model_executor.layers.linear import MergedColumnParallelLinear
 
     from ascend_adapters.common.quant.linear import encode_deq_scale
-    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+    from ascend_adapters.testing.modelslim import ReferenceLinear
 
     qc = _config(
         {"m.mlp.gate_proj.weight": "W8A8", "m.mlp.up_proj.weight": "W8A8"}, {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -338,7 +338,7 @@ def test_moe_experts_with_mixed_types_are_refused(vllm_env):
 
 def test_moe_layer_loads_per_expert_checkpoint_and_matches_loop(vllm_env):
     from ascend_adapters.common.quant.moe import ModelSlimW8A8DynamicMoEMethod
-    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
+    from ascend_adapters.testing.modelslim import quantize_weight_per_channel
 
     e, h, i = 8, 64, 32
     types = {
@@ -426,7 +426,7 @@ def test_from_config_accepts_description_and_marker(tmp_path):
 
 
 def _float_src(tmp_path):
-    from ascend_adapters.common.testing.factory import make_checkpoint
+    from ascend_adapters.testing.factory import make_checkpoint
 
     g = torch.Generator().manual_seed(11)
     tensors = {"model.norm.weight": torch.ones(32), "lm_head.weight": torch.randn(40, 32, generator=g)}
@@ -440,7 +440,7 @@ def _float_src(tmp_path):
 
 @pytest.mark.parametrize("style, deq", [("new", "int64"), ("old", "float32")])
 def test_export_w8a8_layout_and_math(tmp_path, style, deq):
-    from ascend_adapters.common.testing.modelslim import (
+    from ascend_adapters.testing.modelslim import (
         ReferenceLinear,
         effective_float_weight,
         export_w8a8,
@@ -487,7 +487,7 @@ def test_export_w8a8_layout_and_math(tmp_path, style, deq):
 
 
 def test_export_w8a8_static_needs_input_ranges(tmp_path):
-    from ascend_adapters.common.testing.modelslim import export_w8a8
+    from ascend_adapters.testing.modelslim import export_w8a8
 
     with pytest.raises(ValueError, match=r"o_proj: static W8A8 needs its input range"):
         export_w8a8(_float_src(tmp_path), tmp_path / "out", {"model.layers.0.self_attn.o_proj": "W8A8"})
@@ -498,7 +498,7 @@ def test_replicated_linear_uses_the_v1_loader(vllm_env, kind):
     """ReplicatedLinear (used by MLA / DSA projections) loads through vLLM's plain weight loader."""
     from vllm.model_executor.layers.linear import ReplicatedLinear
 
-    from ascend_adapters.common.testing.modelslim import ReferenceLinear
+    from ascend_adapters.testing.modelslim import ReferenceLinear
 
     qc = _config({"m.wq_a.weight": kind})
     layer = ReplicatedLinear(32, 24, bias=False, quant_config=qc, prefix="m.wq_a", params_dtype=torch.float32)
@@ -522,7 +522,7 @@ def test_replicated_linear_uses_the_v1_loader(vllm_env, kind):
 
 
 def test_split_fused_experts_and_record_input_ranges():
-    from ascend_adapters.common.testing.modelslim import record_input_ranges, split_fused_experts
+    from ascend_adapters.testing.modelslim import record_input_ranges, split_fused_experts
 
     g = torch.Generator().manual_seed(9)
     gate_up, down = torch.randn(3, 8, 4, generator=g), torch.randn(3, 4, 4, generator=g)

@@ -145,7 +145,7 @@ def test_static_linear_matches_equation(offset, matmul_path):
 
 def test_static_exporter_identity_reproduces_float_linear():
     """quant_bias = round(bias / deq - W.sum(1) * offset) makes the static path approximate x @ Wf.T + bias."""
-    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel, static_activation_params
+    from ascend_adapters.testing.modelslim import quantize_weight_per_channel, static_activation_params
 
     g = _gen(3)
     k, n = 256, 32
@@ -176,7 +176,7 @@ def test_zero_row_gives_bias_never_nan():
     y_nb = pk.w8a8_dynamic_linear(torch.zeros(3, k), w, wscale, None)
     assert torch.equal(y_nb, torch.zeros(3, n))
     # Static: x = 0 quantizes to the offset; the folded quant_bias then gives back the float bias.
-    from ascend_adapters.common.testing.modelslim import quantize_weight_per_channel
+    from ascend_adapters.testing.modelslim import quantize_weight_per_channel
 
     q, ws = quantize_weight_per_channel(torch.randn(n, k, generator=g) * 0.05)
     iscale, ioff = 0.01, 5.0

@@ -15,16 +15,16 @@ torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord  # noqa: E402
-from ascend_adapters.common.testing.factory import make_checkpoint  # noqa: E402
-from ascend_adapters.common.testing.modelslim import (  # noqa: E402
+from ascend_adapters.common.evidence import EvidenceRecord  # noqa: E402
+from ascend_adapters.testing.factory import make_checkpoint  # noqa: E402
+from ascend_adapters.testing.modelslim import (  # noqa: E402
     ReferenceLinear,
     export_w8a8,
     load_export,
     patch_linears,
     split_fused_experts,
 )
-from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
+from ascend_adapters.testing.parity import compare, vllm_logits  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 

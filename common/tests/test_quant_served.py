@@ -16,12 +16,12 @@ pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
 from ascend_adapters.common import compat  # noqa: E402
-from ascend_adapters.common.testing.evidence import EvidenceRecord  # noqa: E402
-from ascend_adapters.common.testing.modelslim import (  # noqa: E402
+from ascend_adapters.common.evidence import EvidenceRecord  # noqa: E402
+from ascend_adapters.testing.modelslim import (  # noqa: E402
     msmodelslim_executable,
     patch_linears,
 )
-from ascend_adapters.common.testing.parity import compare, vllm_logits  # noqa: E402
+from ascend_adapters.testing.parity import compare, vllm_logits  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 
@@ -110,7 +110,7 @@ def test_msmodelslim_export_served_parity(exports, float_reference, mode, eviden
         [prompts, [prompts[-1]]],
         max_tokens=MAX_TOKENS,
         llm_kwargs=llm_kwargs,
-        probe="ascend_adapters.common.testing.modelslim:dynamic_linear_storage",
+        probe="ascend_adapters.testing.modelslim:dynamic_linear_storage",
     )
     batched, single = runs
     ok_storage = True

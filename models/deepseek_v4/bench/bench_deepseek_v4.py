@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ascend_adapters.common.testing.evidence import BenchRun, add_evidence_dir_argument
+from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -162,9 +162,9 @@ def main() -> int:
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from ascend_adapters.common.testing.modelslim import export_w8a8
     from ascend_adapters.common.versions import engine_distribution
     from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
+    from ascend_adapters.testing.modelslim import export_w8a8
 
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
     run = BenchRun("deepseek_v4", "deepseek_v4-vs-native" if args.vs_native else "deepseek_v4")

@@ -156,7 +156,7 @@ def w8a8_reference(float_dir, export_dir):
 
     import torch.nn.functional as F
 
-    from ascend_adapters.common.testing.modelslim import ReferenceLinear, _module_class, load_export
+    from ascend_adapters.testing.modelslim import ReferenceLinear, _module_class, load_export
 
     model = hf_model(float_dir)
     tensors, desc = load_export(export_dir)

@@ -37,10 +37,10 @@ import pytest
 import torch
 from _dsv4_cases import prompts
 
-from ascend_adapters.common.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
+from ascend_adapters.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
+from ascend_adapters.testing.parity import vllm_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 

@@ -24,10 +24,10 @@ import os
 import pytest
 from _dsv4_cases import hf_model, prompts, reference_fn, w8a8_reference
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.modelslim import export_w8a8
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
+from ascend_adapters.testing.modelslim import export_w8a8
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 TOL = 1e-3
 LENGTHS = (7, 16, 61, 150)  # as the TP=1 gate: inside the window (16) and ~10x beyond it

@@ -11,9 +11,9 @@ from __future__ import annotations
 import pytest
 from _dsv4_cases import hf_model, prompts, reference_fn
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 TOL = 1e-3
 LENGTHS = (7, 16, 61, 150)  # window is 16; CSA rate 4 (top-4 of up to 37 entries), HCA rate 16

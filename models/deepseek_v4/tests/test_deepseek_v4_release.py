@@ -18,9 +18,9 @@ import pytest
 import torch
 from _dsv4_cases import hf_model, prompts, reference_fn
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny, write_release
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 TOL = 1e-3
 HCA128 = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}

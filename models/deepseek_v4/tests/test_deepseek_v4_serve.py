@@ -16,8 +16,8 @@ import pytest
 import torch
 from _dsv4_cases import hf_greedy, hf_model, make_native_hca128, prompts
 
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.common.server import CPU_TEST_ARGS, ServerStartError, VllmServer
-from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
 
 N_TOKENS = 8
@@ -90,7 +90,7 @@ def test_native_layout_logits_through_hca_entries(ckpts, evidence_root):
 
     from _dsv4_cases import reference_fn
 
-    from ascend_adapters.common.testing.parity import compare, vllm_logits
+    from ascend_adapters.testing.parity import compare, vllm_logits
 
     cfg = json.loads((ckpts["native"] / "config.json").read_text())
     assert HCA_RATE_NATIVE in cfg["compress_ratios"]
@@ -152,7 +152,7 @@ def _w8a8_export(ckpts, name, edit):
 
     from safetensors.torch import load_file, save_file
 
-    from ascend_adapters.common.testing.modelslim import export_w8a8
+    from ascend_adapters.testing.modelslim import export_w8a8
 
     out = ckpts["root"] / name
     if out.exists():

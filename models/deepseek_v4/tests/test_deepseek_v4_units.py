@@ -160,8 +160,8 @@ def vllm_model(dirs):
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model
 
-    from ascend_adapters.common.testing.inprocess import ensure_single_rank_parallel_state
     from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
     register()
 
@@ -365,3 +365,82 @@ def test_release_weight_without_scale_is_named():
     s = torch.ones(1, 1).to(torch.float8_e8m0fnu)
     with pytest.raises(ValueError, match=r"layers\.0\.attn\.wkv\.scale: no layers\.0\.attn\.wkv\.weight"):
         list(dequantize_release([("layers.0.attn.wkv.scale", s)], (128, 128)))
+
+
+# One expert's down projection, or one shard of a fused projection, missing from the checkpoint: vLLM
+# counts a fused parameter as loaded once any shard of it is, so only the common loader's per-shard,
+# per-expert accounting can refuse these (named as the model's shard).
+DAMAGE = {
+    "tiny": [
+        ("model.layers.3.ffn.experts.5.w2.weight", "model.layers.3.mlp.experts.5.down_proj.weight"),
+        ("model.layers.1.attn.wkv.weight", "model.layers.1.self_attn.kv_proj.weight"),
+        ("model.layers.1.ffn.shared_experts.w3.weight", "model.layers.1.mlp.shared_experts.up_proj.weight"),
+    ],
+    "native": [
+        ("layers.3.ffn.experts.5.w2.weight", "model.layers.3.mlp.experts.5.down_proj.weight"),
+        ("layers.2.attn.wkv.weight", "model.layers.2.self_attn.kv_proj.weight"),
+        ("layers.2.ffn.shared_experts.w1.weight", "model.layers.2.mlp.shared_experts.gate_proj.weight"),
+    ],
+}
+
+
+@pytest.mark.parametrize("layout, drop, named", [(k, d, n) for k, v in DAMAGE.items() for d, n in v])
+def test_checkpoint_missing_an_expert_or_a_shard_is_refused_naming_it(dirs, vllm_model, layout, drop, named):
+    t = _tensors(dirs[layout])
+    del t[drop]
+    with pytest.raises(ValueError, match=rf"lacks 1 tensor\(s\) the model needs: \['{re.escape(named)}'\]"):
+        vllm_model(dirs[layout]).load_weights(iter(t.items()))
+
+
+@pytest.fixture(scope="module")
+def quantized_dirs(tmp_path_factory):
+    """The ModelSlim W8A8_DYNAMIC export (native names) and DeepSeek's FP8/FP4 release of the tiny model."""
+    from _dsv4_cases import W8A8_PLAN
+
+    from ascend_adapters.deepseek_v4.tiny import native_name, write_release
+    from ascend_adapters.testing.modelslim import export_w8a8
+
+    root = tmp_path_factory.mktemp("dsv4q")
+    float_dir = make_tiny(
+        root / "tiny", seed=2, compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    )
+    w8a8 = export_w8a8(float_dir, root / "w8a8", W8A8_PLAN, transform=lambda n, t: [(native_name(n), t)])
+    return {"w8a8": w8a8, "release": write_release(float_dir, root / "release")}
+
+
+def _engine_built(model_dir):
+    """The model vLLM builds for ``model_dir`` (quantization detected as at serve time), nothing loaded."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+    cfg = EngineArgs(
+        model=str(model_dir), dtype="float32", max_model_len=256, skip_tokenizer_init=True
+    ).create_engine_config()
+    with set_current_vllm_config(cfg), set_default_torch_dtype(torch.float32):
+        ensure_single_rank_parallel_state()
+        return initialize_model(vllm_config=cfg, model_config=cfg.model_config)
+
+
+# (layout, checkpoint tensors dropped, the model's name the refusal carries); a quantized tensor goes
+# with its companions (weight_scale/weight_offset; the release's block .scale)
+QUANTIZED_DAMAGE = [
+    ("w8a8", "layers.2.ffn.experts.5.w2.", "model.layers.2.mlp.experts.5.down_proj.weight"),
+    ("w8a8", "layers.1.attn.wkv.", "model.layers.1.self_attn.kv_proj.weight"),
+    ("release", "layers.3.ffn.experts.5.w2.", "model.layers.3.mlp.experts.5.down_proj.weight"),
+    ("release", "layers.1.attn.wkv.", "model.layers.1.self_attn.kv_proj.weight"),
+]
+
+
+@pytest.mark.parametrize("layout, drop, named", QUANTIZED_DAMAGE)
+def test_quantized_checkpoint_missing_an_expert_or_a_shard_is_refused_naming_it(quantized_dirs, layout, drop, named):
+    from ascend_adapters.testing.modelslim import load_export
+
+    t = load_export(quantized_dirs[layout])[0] if layout == "w8a8" else _tensors(quantized_dirs[layout])
+    kept = {n: v for n, v in t.items() if not n.startswith(drop)}
+    assert len(kept) < len(t)
+    with pytest.raises(ValueError, match=rf"lacks \d+ tensor\(s\) the model needs: \['{re.escape(named)}'"):
+        _engine_built(quantized_dirs[layout]).load_weights(iter(kept.items()))

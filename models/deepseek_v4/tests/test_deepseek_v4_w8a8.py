@@ -18,10 +18,10 @@ import pytest
 import torch
 from _dsv4_cases import W8A8_PLAN, hf_model, prompts, reference_fn, w8a8_reference
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.modelslim import export_w8a8, load_export
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny, native_name
+from ascend_adapters.testing.modelslim import export_w8a8, load_export
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 TOL = 1e-3
 

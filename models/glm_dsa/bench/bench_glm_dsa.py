@@ -228,7 +228,7 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke: contexts 512/2k, fewer tokens, sparse only")
@@ -250,7 +250,7 @@ def main(argv=None) -> int:
         return worker(args.worker)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-    from ascend_adapters.common.testing.evidence import EvidenceRecord
+    from ascend_adapters.common.evidence import EvidenceRecord
 
     gate = "bench_decode" + ("_served" if args.skip_layer else "") + ("_quick" if args.quick else "")
     rec = EvidenceRecord(model="glm_dsa", gate=gate)

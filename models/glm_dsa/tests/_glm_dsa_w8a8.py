@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from _glm_dsa_ref import Reference, random_prompts
 
-from ascend_adapters.common.testing.modelslim import ReferenceLinear, export_w8a8, load_export, patch_linears
+from ascend_adapters.testing.modelslim import ReferenceLinear, export_w8a8, load_export, patch_linears
 
 ATTN_LINEARS = ("q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "o_proj")
 

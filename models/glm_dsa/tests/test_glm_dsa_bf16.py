@@ -28,9 +28,9 @@ import pytest
 import torch
 from _glm_dsa_ref import _index_scores, build, random_prompts
 
-from ascend_adapters.common.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
+from ascend_adapters.testing.parity import vllm_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from _glm_dsa_ref import Reference, build, random_prompts
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 TOL = 1e-3
 

@@ -8,8 +8,8 @@ import pytest
 import torch
 from _glm_dsa_ref import Reference, build, random_prompts
 
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.common.server import VllmServer
-from ascend_adapters.common.testing.evidence import EvidenceRecord
 
 
 @pytest.mark.vllm

@@ -14,8 +14,8 @@ import pytest
 from _glm_dsa_ref import Reference, build, random_prompts
 from _glm_dsa_w8a8 import make_export, quantized_reference
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 # Both sides apply the same int8 weights and the same activation quantization; integer products are exact,
 # so what is left is float32 rounding of the float parts (attention, norms, residuals, scales) in two
@@ -52,7 +52,7 @@ def test_w8a8_export_parity(tmp_path, evidence_root):
     rec.check("greedy tokens identical to the quantized reference", quant.tokens_identical, quant.first_divergence)
     rec.check("the quantization is really applied (float model differs 10x more)", ok_rel)
     rec.notes.append(
-        "export written by ascend_adapters.common.testing.modelslim.export_w8a8 (documented math), "
+        "export written by ascend_adapters.testing.modelslim.export_w8a8 (documented math), "
         "not msmodelslim: msmodelslim cannot quantize a tiny GLM-DSA faithfully (REFERENCE §8)"
     )
     rec.notes.append("quantization selected with quantization='modelslim' (explicit)")

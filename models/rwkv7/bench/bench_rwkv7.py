@@ -397,7 +397,7 @@ def run_served(kind, spec, env=None):
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.testing.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shape (CI smoke)")
@@ -524,7 +524,7 @@ def main(argv=None) -> int:
 
 
 def _write_evidence(result, args, argv):
-    from ascend_adapters.common.testing.evidence import EvidenceRecord
+    from ascend_adapters.common.evidence import EvidenceRecord
 
     rec = EvidenceRecord(model="rwkv7", gate="bench")
     rec.command(["python", "models/rwkv7/bench/bench_rwkv7.py", *(argv if argv is not None else sys.argv[1:])])

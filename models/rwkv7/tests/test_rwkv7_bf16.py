@@ -30,8 +30,8 @@ import pytest
 import torch
 from _rwkv7_cases import CASES, build_case, prompts
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.parity import vllm_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 

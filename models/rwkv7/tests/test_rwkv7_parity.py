@@ -17,8 +17,8 @@ import torch
 from _rwkv7_cases import CASES, build_case, prompts
 from _rwkv7_ref import rwkv_package_logits
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 LENGTHS = (5, 19, 45, 90)
 MAX_TOKENS = 8

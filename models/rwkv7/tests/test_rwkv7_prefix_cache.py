@@ -29,7 +29,7 @@ import torch
 from _rwkv7_cases import CASES, build_case, prompts
 from _rwkv7_ref import rwkv_package_logits
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
+from ascend_adapters.common.evidence import EvidenceRecord
 
 CASE = "h64x2_l3"
 BLOCK = 16

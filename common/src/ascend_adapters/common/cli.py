@@ -11,9 +11,10 @@ import importlib
 import sys
 
 SUBCOMMAND_MODULES = (
-    "ascend_adapters.common.admission.cli",  # manifest, check, render, status
+    "ascend_adapters.common.admission.cli",  # manifest, check, render
+    "ascend_adapters.common.status",  # status
     "ascend_adapters.common.gate.cli",  # gate
-    "ascend_adapters.common.testing.evidence_cli",  # evidence check, evidence index
+    "ascend_adapters.common.evidence.cli",  # evidence check, evidence index
 )
 
 

@@ -36,7 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ascend_adapters.common.flags import env_flag
-from ascend_adapters.common.platform import FORCE_PORTABLE_ENV, KernelPath, path_for_device
+from ascend_adapters.common.platform import KernelPath, path_for_device
 
 
 @dataclass
@@ -125,17 +125,17 @@ class Choice:
 Candidate = tuple[str, Callable[[], "Callable | str"]]
 
 
-def choose(name: str, candidates: list[Candidate], *, force_portable_applies: bool = True) -> Choice:
+def choose(name: str, candidates: list[Candidate], *, switch: str | None = None) -> Choice:
     """The first candidate ``(label, make)`` whose ``make()`` returns a callable, else the op itself.
 
     ``source`` is the label of the candidate chosen, or ``"portable: <reasons>"`` (each candidate's
-    reason, joined with "; "). With ``ASCEND_ADAPTERS_FORCE_PORTABLE`` set no candidate is tried,
-    unless ``force_portable_applies`` is False (a candidate that is itself part of the portable path).
-    The caller caches the choice for its kind of call; nothing is cached here.
+    reason, joined with "; "). ``switch`` names an ``ASCEND_ADAPTERS_*`` variable that, when on, keeps
+    the op's own implementation without trying any candidate. The caller caches the choice for its
+    kind of call; nothing is cached here.
     """
     own = op(name)
-    if force_portable_applies and env_flag(FORCE_PORTABLE_ENV):
-        return Choice(own, f"portable: {FORCE_PORTABLE_ENV} is on")
+    if switch is not None and env_flag(switch):
+        return Choice(own, f"portable: {switch} is on")
     reasons = []
     for label, make in candidates:
         got = make()

@@ -8,7 +8,7 @@ that also sees an NPU still takes the portable path.
 ``ASCEND_ADAPTERS_FORCE_PORTABLE=1`` forces the portable path for NPU tensors too.
 
 Tests only: with the torch_npu contract emulator installed as ``torch_npu``
-(``ascend_adapters.common.testing.npu_emulator``), ``ASCEND_ADAPTERS_NPU_EMULATOR=1``
+(``ascend_adapters.testing.npu_emulator``), ``ASCEND_ADAPTERS_NPU_EMULATOR=1``
 sends CPU tensors down the NPU implementation, so the torch_npu calls are
 checked against their documented contracts on CPU. The variable is refused
 when ``torch_npu`` is the real package.

@@ -70,7 +70,6 @@ def decide(
     env: str,
     *,
     in_tree_native: Callable[[object], bool] | None = None,
-    legacy_force_adapter: str | None = None,
 ) -> Decision:
     """Native first: does the running platform already serve ``arch``?
 
@@ -97,8 +96,6 @@ def decide(
         d = Decision(
             arch, NATIVE, _registered_target(arch, exclude_ours=True), f"{env}={raw} leaves it to the platform"
         )
-    elif legacy_force_adapter and _legacy_on(legacy_force_adapter):
-        d = Decision(arch, ADAPTER, adapter_target, f"{legacy_force_adapter} is set (older switch; use {env}=adapter)")
     else:
         d = _platform_decision(arch, adapter_target, in_tree_native)
     _DECISIONS[arch] = d
@@ -109,12 +106,6 @@ def decide(
 def decisions() -> dict[str, Decision]:
     """Decisions taken in this process so far (``status``, the ModelSlim hand-off)."""
     return dict(_DECISIONS)
-
-
-def _legacy_on(name: str) -> bool:
-    from ascend_adapters.common.flags import env_flag
-
-    return env_flag(name)
 
 
 def _platform_decision(arch, adapter_target, in_tree_native) -> Decision:
@@ -224,12 +215,11 @@ def register_native_first(
     env: str,
     *,
     in_tree_native: Callable[[object], bool] | None = None,
-    legacy_force_adapter: str | None = None,
 ) -> list[Decision]:
     """``decide`` each architecture and register the adapter's class where it serves. Returns the decisions."""
     out = []
     for arch, target in arch_to_target.items():
-        d = decide(arch, target, env, in_tree_native=in_tree_native, legacy_force_adapter=legacy_force_adapter)
+        d = decide(arch, target, env, in_tree_native=in_tree_native)
         if d.serves == ADAPTER:
             register_architectures({arch: target})
         out.append(d)

@@ -1,4 +1,4 @@
-"""Subcommands ``manifest``, ``check``, ``render`` and ``status`` of ``ascend-adapters``."""
+"""Subcommands ``manifest``, ``check`` and ``render`` of ``ascend-adapters``."""
 
 from __future__ import annotations
 
@@ -84,14 +84,6 @@ def cmd_render(args) -> int:
     return 0 if report.ok else 1
 
 
-def cmd_status(args) -> int:
-    from ascend_adapters.common.admission.render import format_status, status
-
-    st = status(getattr(args, "model", None))
-    print(json.dumps(st, indent=2) if args.json else format_status(st))
-    return 0
-
-
 def add_parsers(subparsers) -> None:
     p = subparsers.add_parser(
         "manifest",
@@ -137,13 +129,6 @@ def add_parsers(subparsers) -> None:
     p.add_argument("model_dir", metavar="DIR")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_render)
-
-    p = subparsers.add_parser(
-        "status", help="installed versions, vllm.general_plugins entry points, kernel dispatch path"
-    )
-    p.add_argument("--json", action="store_true")
-    p.add_argument("--model", metavar="DIR", help="also say which quantization method will serve this export, and why")
-    p.set_defaults(func=cmd_status)
 
 
 def main(argv: list[str] | None = None) -> int:  # pragma: no cover - convenience

@@ -231,7 +231,7 @@ class _RequestCrash(Exception):
 # -- the gate --------------------------------------------------------------------
 class _Gate:
     def __init__(self, opts: GateOptions):
-        from ascend_adapters.common.testing.evidence import EvidenceRecord
+        from ascend_adapters.common.evidence import EvidenceRecord
         from ascend_adapters.common.versions import engine_distribution
 
         self.opts = opts

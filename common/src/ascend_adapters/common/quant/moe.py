@@ -19,10 +19,10 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import DescriptionError
 
-_FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 _SUPPORTED_ACTIVATIONS = ("silu", "gelu")
 
 
@@ -87,26 +87,17 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
         layer.w2_input_scale = None
 
     def _guard(self, param: torch.nn.Parameter, pname: str) -> None:
-        inner = param.weight_loader
-        allowed = (torch.int8,) if pname.endswith("_weight") else _FLOATS
+        allowed = (torch.int8,) if pname.endswith("_weight") else FLOAT_DTYPES
         suffix = pname.split("_", 1)[1]  # weight / weight_scale / weight_offset
-        gate, up, down = self.proj_names
-
-        def loader(param, loaded_weight, weight_name, *args, **kwargs):
-            if loaded_weight.dtype not in allowed:
-                shard = kwargs.get("shard_id", args[0] if args else None)
-                expert = kwargs.get("expert_id", args[1] if len(args) > 1 else "?")
-                proj = {"w1": gate, "w3": up, "w2": down}.get(shard, shard)
-                raise DescriptionError(
-                    f"{self.prefix}.{expert}.{proj}.{suffix}: checkpoint tensor has dtype {loaded_weight.dtype}, "
-                    f"but the ModelSlim description makes these experts W8A8_DYNAMIC, which needs "
-                    f"{[str(d) for d in allowed]}"
-                )
-            if loaded_weight.is_floating_point():
-                loaded_weight = loaded_weight.float()
-            return inner(param, loaded_weight, weight_name, *args, **kwargs)
-
-        param.weight_loader = loader
+        projections = dict(zip(("w1", "w3", "w2"), self.proj_names))
+        guard_dtype(
+            param,
+            allowed,
+            lambda shard, expert: f"{self.prefix}.{expert}.{projections.get(shard, shard)}.{suffix}",
+            "the ModelSlim description makes these experts W8A8_DYNAMIC",
+            lambda t: t.float() if t.is_floating_point() else t,
+            error=DescriptionError,
+        )
 
     def process_weights_after_loading(self, layer) -> None:
         for side in ("w13", "w2"):

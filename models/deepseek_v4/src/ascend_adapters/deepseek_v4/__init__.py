@@ -7,8 +7,7 @@ cheap: lazy "module:Class" registration, no torch import. It registers
   native first (``ascend_adapters.common.registry.decide``): not where the
   platform serves it (vllm-ascend registers its own class; CUDA/ROCm/XPU run
   vLLM's). ``ASCEND_ADAPTERS_DEEPSEEK_V4``: ``auto`` (default), ``adapter`` (or
-  ``on``) forces this class, ``native`` (or ``off``) the platform's; the older
-  ``ASCEND_ADAPTERS_FORCE_PORTABLE=1`` still forces the adapter when it is unset;
+  ``on``) forces this class, ``native`` (or ``off``) the platform's;
 * a config parser for the ``hf`` format that reads ``model_type: deepseek_v4``
   with transformers' own ``DeepseekV4Config`` (accepting both the
   transformers-saved layout and DeepSeek's native keys) and hands every other
@@ -40,13 +39,7 @@ def _in_tree_native(platform) -> bool:
 def register() -> None:
     from ascend_adapters.common.registry import ADAPTER, decide, register_architectures
 
-    d = decide(
-        ARCH,
-        ARCHITECTURES[ARCH],
-        ENABLE_ENV,
-        in_tree_native=_in_tree_native,
-        legacy_force_adapter="ASCEND_ADAPTERS_FORCE_PORTABLE",
-    )
+    d = decide(ARCH, ARCHITECTURES[ARCH], ENABLE_ENV, in_tree_native=_in_tree_native)
     if d.serves != ADAPTER:
         return
     from ascend_adapters.deepseek_v4 import policy

@@ -1,8 +1,9 @@
 """Memory of DeepSeek-V4 on this adapter, derived from a config (no hand-entered numbers).
 
-* ``state_bytes_per_sequence``: the attention state vLLM reserves per sequence today. Every layer
-  carries the same page (``model.state_shapes``: window, input ring, compressed entries, indexer
-  keys; float32), sized for ``max_model_len`` whatever the request's length.
+* ``state_shapes``: the attention state of one layer (window, input ring, compressed entries,
+  indexer keys), the same page for every layer; the model sizes vLLM's state cache with it.
+* ``state_bytes_per_sequence``: the attention state vLLM reserves per sequence today: every layer
+  carries that page (float32), sized for ``max_model_len`` whatever the request's length.
 * ``paged_state_bytes``: what a paged design would hold for a sequence of ``tokens`` tokens: per
   layer only what its type needs (sliding: the window; CSA: window + ring of 2*rate inputs +
   tokens/rate entries + indexer keys; HCA: window + ring of rate inputs + tokens/rate entries), in
@@ -17,12 +18,37 @@ from __future__ import annotations
 
 import math
 
-from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING
+from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
+
+
+def state_dims(config, max_model_len: int) -> dict:
+    """Per-layer state sizes shared by every attention layer (uniform page)."""
+    types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
+    rates = config.compress_rates
+    csa = rates.get(LAYER_CSA, 4) if LAYER_CSA in types else None
+    hca = rates.get(LAYER_HCA, 128) if LAYER_HCA in types else None
+    ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
+    min_rate = min([r for r in (csa, hca) if r] or [0]) or None
+    entries = (max_model_len // min_rate + 1) if min_rate else 1
+    return {
+        "window": int(config.sliding_window),
+        "ring": int(ring),
+        "entries": int(entries),
+        "index_dim": int(config.index_head_dim) if csa else 1,
+    }
+
+
+def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
+    d = state_dims(config, max_model_len)
+    return (
+        (d["window"], config.head_dim),
+        (d["ring"], config.hidden_size),
+        (d["entries"], config.head_dim),
+        (d["entries"], d["index_dim"]),
+    )
 
 
 def state_bytes_per_sequence(config, max_model_len: int) -> int:
-    from ascend_adapters.deepseek_v4.model import state_shapes
-
     per_layer = sum(math.prod(s) for s in state_shapes(config, max_model_len)) * 4  # float32 state
     return per_layer * int(config.num_hidden_layers)
 

@@ -15,7 +15,8 @@ engine and platform (vLLM 0.32's CPU kernels take bfloat16/float16 activations o
 CPU fall back to a bfloat16-only torch reference, and have no ``HCHeadOp`` there). An op that
 raises is not used; float32 models always take the portable ops. Each op is decided by common's
 ``dispatch.choose`` (vLLM's op as the one candidate); ``HCOps.source`` says which implementation
-each op got and why. ``ASCEND_ADAPTERS_FORCE_PORTABLE=on`` keeps all three on the portable ops.
+each op got and why. ``ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC=on`` keeps all three on the portable
+ops.
 """
 
 from __future__ import annotations
@@ -29,11 +30,11 @@ import torch
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.flags import env_flag
-from ascend_adapters.common.platform import FORCE_PORTABLE_ENV
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 
 POST_MULT = 2.0  # DeepSeek-V4's post-mix multiplier (2 * sigmoid)
 VLLM = "vllm"
+PORTABLE_MHC_ENV = "ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC"  # on: the portable ops, never vLLM's
 logger = logging.getLogger("ascend_adapters")
 # The activation dtypes vLLM's mHC ops are specified for (their docstrings; 0.32's CPU kernels refuse
 # float32, while 0.27/0.28's torch fallback of the post op would run it unspecified).
@@ -78,9 +79,9 @@ def _select(dtype, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: flo
             why = _probe(name, fn, dtype, n, hidden, iters, hc_eps, norm_eps)
             return fn if why is None else f"vLLM's op does not serve this call ({why})"
 
-        choice = dispatch.choose(f"dsv4.hc_{name}", [(VLLM, make)])
+        choice = dispatch.choose(f"dsv4.hc_{name}", [(VLLM, make)], switch=PORTABLE_MHC_ENV)
         fns[name], source[name] = choice.fn, choice.source
-    if dtype in VLLM_DTYPES and not env_flag(FORCE_PORTABLE_ENV) and compat.mhc_op_classes() is not None:
+    if dtype in VLLM_DTYPES and not env_flag(PORTABLE_MHC_ENV) and compat.mhc_op_classes() is not None:
         logger.info("ascend_adapters.deepseek_v4: mHC ops for %s, hidden %d: %s", dtype, hidden, source)
     return HCOps(**fns, source=source)
 

@@ -27,7 +27,6 @@ reads only positions of its own request that were written before.
 from __future__ import annotations
 
 import logging
-import re
 from collections.abc import Iterable
 
 import torch
@@ -46,13 +45,13 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
-from vllm.model_executor.models.utils import AutoWeightsLoader
+from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common import dispatch
+from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import (
     LAYER_CSA,
@@ -64,6 +63,7 @@ from ascend_adapters.deepseek_v4.config import (
 )
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
+from ascend_adapters.deepseek_v4.memory import state_dims, state_shapes
 from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import (
@@ -78,34 +78,6 @@ from ascend_adapters.deepseek_v4.remap import (
 
 op = dispatch.op
 logger = logging.getLogger("ascend_adapters")
-
-
-# ---------------------------------------------------------------- state sizing
-def state_dims(config, max_model_len: int) -> dict:
-    """Per-layer state sizes shared by every attention layer (uniform page)."""
-    types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
-    rates = config.compress_rates
-    csa = rates.get(LAYER_CSA, 4) if LAYER_CSA in types else None
-    hca = rates.get(LAYER_HCA, 128) if LAYER_HCA in types else None
-    ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
-    min_rate = min([r for r in (csa, hca) if r] or [0]) or None
-    entries = (max_model_len // min_rate + 1) if min_rate else 1
-    return {
-        "window": int(config.sliding_window),
-        "ring": int(ring),
-        "entries": int(entries),
-        "index_dim": int(config.index_head_dim) if csa else 1,
-    }
-
-
-def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
-    d = state_dims(config, max_model_len)
-    return (
-        (d["window"], config.head_dim),
-        (d["ring"], config.hidden_size),
-        (d["entries"], config.head_dim),
-        (d["entries"], d["index_dim"]),
-    )
 
 
 def _sharded_loader(dim: int):
@@ -473,13 +445,12 @@ class DeepseekV4Model(nn.Module):
         self.config = config
         self.hc_mult = config.hc_mult
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
-        self.layers = nn.ModuleList(
-            [
-                DeepseekV4DecoderLayer(config, i, quant_config, f"{prefix}.layers.{i}")
-                for i in range(config.num_hidden_layers)
-            ]
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: DeepseekV4DecoderLayer(config, extract_layer_index(prefix), quant_config, prefix),
+            prefix=maybe_prefix(prefix, "layers"),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hc_head = nn.Module()
@@ -488,11 +459,18 @@ class DeepseekV4Model(nn.Module):
         self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
         self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
         self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        self.expert_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name=EXPERT_GATE,
+            ckpt_down_proj_name=EXPERT_DOWN,
+            ckpt_up_proj_name=EXPERT_UP,
+            num_experts=config.n_routed_experts,
+        )
 
     def forward(self, input_ids, positions, inputs_embeds=None):
         x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
         streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             streams = layer(streams, positions, input_ids)
         h = self.hc_head_op(
             streams,
@@ -506,40 +484,18 @@ class DeepseekV4Model(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Mapped names (see remap.py): fused shards and routed experts stacked the vLLM way."""
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
-        n_experts = self.config.n_routed_experts
-        expert_mapping = fused_moe_make_expert_params_mapping(
-            self,
-            ckpt_gate_proj_name=EXPERT_GATE,
-            ckpt_down_proj_name=EXPERT_DOWN,
-            ckpt_up_proj_name=EXPERT_UP,
-            num_experts=n_experts,
-        )
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            for param_name, shard_name, shard_id in STACKED_PARAMS:
-                if shard_name in name:
-                    target = name.replace(shard_name, param_name)
-                    param = _lookup(params, name, target)
-                    param.weight_loader(param, tensor, shard_id)
-                    break
-            else:
-                if ".experts." in name:
-                    target = _load_routed(params, name, tensor, expert_mapping, n_experts)
-                elif name in buffers:
-                    target = name
-                    _check_shape(name, buffers[name].shape, tensor.shape)
-                    buffers[name].copy_(tensor.to(buffers[name].dtype))
-                else:
-                    target = name
-                    param = _lookup(params, name, name)
-                    loader = getattr(param, "weight_loader", default_weight_loader)
-                    if loader is default_weight_loader:
-                        _check_shape(name, param.shape, tensor.shape)
-                    loader(param, tensor)
-            loaded.add(target)
-        return loaded
+        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
+        return {
+            load_stacked_or_expert(
+                tensors,
+                name,
+                tensor,
+                stacked_params=STACKED_PARAMS,
+                expert_mapping=self.expert_mapping,
+                num_experts=self.config.n_routed_experts,
+            )
+            for name, tensor in weights
+        }
 
 
 class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
@@ -554,10 +510,10 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         self.config = config
         quant_config = vllm_config.quant_config
         self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
-        self.model = DeepseekV4Model(vllm_config=vllm_config, prefix="model")
+        self.model = DeepseekV4Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if quant_config is not None and getattr(quant_config, "description", None) is not None:
             _check_description_covered(self, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -593,30 +549,16 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         release = getattr(self.config, RELEASE_QUANT_ATTR, None)
         if release is not None:  # DeepSeek's FP8/FP4 release: float weights from here on
             weights = dequantize_release(weights, tuple(release["weight_block_size"]))
-        source = _SourceNames(weights, self.hf_to_vllm_mapper)
-        try:
-            loaded = AutoWeightsLoader(self).load_weights(source, mapper=self.hf_to_vllm_mapper)
-        except (AssertionError, ValueError, RuntimeError, KeyError) as exc:
-            raise ValueError(f"checkpoint tensor {source.current} {source.shape}: {_detail(exc)}") from exc
-        if source.skipped:
-            logger.info(
-                "DeepSeek-V4: skipped %d checkpoint tensor(s) on purpose, %s: %s%s",
-                len(source.skipped),
-                MTP_REASON,
-                source.skipped[:6],
-                " ..." if len(source.skipped) > 6 else "",
-            )
-        # vLLM checks loaded names only for unquantized models, and never buffers: check here.
-        params = {n for n, _ in self.named_parameters()}
-        tied = {"lm_head.weight"} if getattr(self.config, "tie_word_embeddings", False) else set()
-        missing = sorted(params - loaded - tied)
-        missing += sorted(n for n, _ in self.named_buffers() if n.endswith("tid2eid") and n not in loaded)
-        if missing:
-            raise ValueError(
-                f"DeepSeek-V4 checkpoint lacks {len(missing)} tensor(s) the model needs: "
-                f"{missing[:12]}{' ...' if len(missing) > 12 else ''}"
-            )
-        return loaded
+        return load_checkpoint(
+            self,
+            weights,
+            what="DeepSeek-V4",
+            mapper=self.hf_to_vllm_mapper,
+            skips={p.pattern: MTP_REASON for p in mtp_patterns(self.config)},
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.model.expert_mapping,
+            required_buffers=lambda name: name.endswith(".tid2eid"),
+        )
 
 
 def _check_description_covered(model: nn.Module, quant_config) -> None:
@@ -640,73 +582,6 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
             f"DeepSeek-V4 module it belongs to runs in float only ({len(stray)} such: "
             f"{stray[:6]})"
         )
-
-
-class _SourceNames:
-    """The checkpoint stream, remembering the name being loaded (vLLM's loader reads it lazily, one
-    tensor at a time, so an error raised while loading names the checkpoint tensor) and the names
-    the mapper drops (MTP)."""
-
-    def __init__(self, weights: Iterable[tuple[str, torch.Tensor]], mapper):
-        self._weights, self._map = weights, compat.weights_mapper_fn(mapper)
-        self.current: str | None = None
-        self.shape: tuple[int, ...] = ()
-        self.skipped: list[str] = []
-
-    def __iter__(self):
-        for name, tensor in self._weights:
-            self.current, self.shape = name, tuple(tensor.shape)
-            if self._map(name) is None:
-                self.skipped.append(name)
-            yield name, tensor
-
-
-def _detail(exc: Exception, limit: int = 400) -> str:
-    text = str(exc) or f"{type(exc).__name__} in vLLM's weight loader (shape or dtype does not fit)"
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def _lookup(params: dict, name: str, target: str) -> torch.nn.Parameter:
-    if target not in params:
-        raise ValueError(f"{name} matches no DeepSeek-V4 parameter (no mapping rule places it)")
-    return params[target]
-
-
-def _check_shape(target: str, want, got) -> None:
-    if tuple(got) != tuple(want):
-        raise ValueError(f"loads into {target}: shape {tuple(got)} != model {tuple(want)}")
-
-
-_STACKED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)$")
-
-
-def _load_routed(params: dict, name: str, tensor: torch.Tensor, expert_mapping, n_experts: int) -> str:
-    """A routed-expert tensor through vLLM's fused-MoE loader (this rank's intermediate shard; experts
-    placed on other ranks skipped): one expert's projection, or transformers' stacked [E, ., .]."""
-    stacked = _STACKED_EXPERTS.search(name)
-    if stacked:
-        if tensor.dim() != 3 or tensor.shape[0] != n_experts:
-            raise ValueError(f"shape {tuple(tensor.shape)}, expected [{n_experts}, ., .]")
-        w13 = stacked.group(1) == "gate_up_proj"
-        target = name[: stacked.start()] + (
-            ".experts.routed_experts.w13_weight" if w13 else ".experts.routed_experts.w2_weight"
-        )
-        param = _lookup(params, name, target)
-        for e in range(n_experts):
-            if w13:
-                half = tensor.shape[1] // 2
-                param.weight_loader(param, tensor[e, :half], target, shard_id="w1", expert_id=e)
-                param.weight_loader(param, tensor[e, half:], target, shard_id="w3", expert_id=e)
-            else:
-                param.weight_loader(param, tensor[e], target, shard_id="w2", expert_id=e)
-        return target
-    for param_name, weight_name, expert_id, shard_id in expert_mapping:
-        if weight_name in name:
-            target = name.replace(weight_name, param_name)
-            param = _lookup(params, name, target)
-            param.weight_loader(param, tensor, target, shard_id=shard_id, expert_id=expert_id)
-            return target
-    raise ValueError(f"{name} matches no DeepSeek-V4 parameter (expert beyond n_routed_experts {n_experts}?)")
 
 
 def resident_weight_bytes(model: nn.Module) -> int:

@@ -30,6 +30,7 @@ from vllm.model_executor.utils import set_weight_attrs
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.common import kernels as _common_kernels  # noqa: F401  (registers the shared ops)
+from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 
 op = dispatch.op
 
@@ -86,17 +87,12 @@ class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
             p = nn.Parameter(torch.empty(shape, dtype=params_dtype), requires_grad=False)
             layer.register_parameter(name, p)
             set_weight_attrs(p, extra_weight_attrs)
-            inner = p.weight_loader
-
-            def loader(param, loaded_weight, weight_name, *args, _inner=inner, **kwargs):
-                if not loaded_weight.is_floating_point():
-                    raise ValueError(
-                        f"checkpoint tensor {weight_name}: dtype {loaded_weight.dtype}, but no ModelSlim "
-                        "description makes these routed experts quantized"
-                    )
-                return _inner(param, loaded_weight, weight_name, *args, **kwargs)
-
-            p.weight_loader = loader
+            guard_dtype(
+                p,
+                FLOAT_DTYPES,
+                lambda shard, expert, _name=name: f"{_name} (expert {expert}, shard {shard})",
+                "no ModelSlim description makes these routed experts quantized",
+            )
 
     def process_weights_after_loading(self, layer) -> None:
         return None

@@ -20,7 +20,7 @@ import torch
 SERVE_ARGS = ["--tokenizer-mode", "hf"]
 
 # ModelSlim W8A8_DYNAMIC plan for the tiny checkpoint (native export names; fnmatch on the linear
-# prefix; common.testing.modelslim.export_w8a8): attention
+# prefix; ascend_adapters.testing.modelslim.export_w8a8): attention
 # projections, shared and routed experts. Router, compressor/indexer projections (kept in float by
 # transformers' own DeepSeek-V4 loading as well), the grouped wo_a, embeddings and head stay FLOAT.
 W8A8_PLAN = {
@@ -129,7 +129,7 @@ def build_tiny_model(seed: int = 0, **overrides):
 
 def make_tiny(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     """Write a tiny DeepSeek-V4 checkpoint saved by transformers (float32) plus a tokenizer."""
-    from ascend_adapters.common.testing.tokenizer import write_tokenizer
+    from ascend_adapters.common.tokenizer import write_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -42,11 +42,11 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.model_loader.weight_utils import default_weight_loader
-from vllm.model_executor.models.utils import AutoWeightsLoader
+from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
@@ -57,6 +57,7 @@ from ascend_adapters.glm_dsa.config import (
     raw_config_dict,
     require_field,
 )
+from ascend_adapters.glm_dsa.remap import STACKED_PARAMS
 
 # a child of vLLM's logger, so the path choice and the skipped weights show in vLLM's log
 logger = logging.getLogger("vllm.ascend_adapters.glm_dsa")
@@ -486,11 +487,14 @@ class GlmDsaModel(nn.Module):
             for name in ("index_n_heads", "index_head_dim"):
                 require_field(config, name)
         self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=f"{prefix}.embed_tokens"
+            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
         )
-        self.layers = nn.ModuleList(
-            GlmDsaDecoderLayer(vllm_config, config, i, self.mode, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: GlmDsaDecoderLayer(
+                vllm_config, config, extract_layer_index(prefix), self.mode, prefix=prefix
+            ),
+            prefix=maybe_prefix(prefix, "layers"),
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         # (param name, checkpoint name, expert id, shard id) of every routed expert
@@ -509,7 +513,7 @@ class GlmDsaModel(nn.Module):
         hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
         residual = None
         selection = None
-        for layer in self.layers:
+        for layer in self.layers[self.start_layer : self.end_layer]:
             hidden_states, residual, selection = layer(positions, hidden_states, residual, selection)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -517,52 +521,18 @@ class GlmDsaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (names below ``model.``) into the parameters, as vLLM's deepseek_v2 does:
         ``gate_proj``/``up_proj`` into the stacked ``gate_up_proj``, per-expert tensors into FusedMoE."""
-        stacked = (("gate_up_proj", "gate_proj", 0), ("gate_up_proj", "up_proj", 1))
         params = dict(self.named_parameters())
-        loaded: set[str] = set()
-        for name, tensor in weights:
-            if ".mlp.experts." in name:
-                for param_name, weight_name, expert_id, shard_id in self.expert_params_mapping:
-                    mapped = name.replace(weight_name, param_name)
-                    if weight_name in name and mapped in params:
-                        param = params[mapped]
-                        param.weight_loader(param, tensor, mapped, shard_id=shard_id, expert_id=expert_id)
-                        loaded.add(mapped)
-                        break
-                else:
-                    raise self._unknown(name)
-                continue
-            for param_name, weight_name, shard_id in stacked:
-                if f".{weight_name}." in name:
-                    mapped = name.replace(f".{weight_name}.", f".{param_name}.")
-                    if mapped not in params:
-                        raise self._unknown(name)
-                    params[mapped].weight_loader(params[mapped], tensor, shard_id)
-                    loaded.add(mapped)
-                    break
-            else:
-                if name not in params:
-                    raise self._unknown(name)
-                param = params[name]
-                getattr(param, "weight_loader", default_weight_loader)(param, tensor)
-                loaded.add(name)
-        return loaded
-
-    def expert_tensor_names(self, loaded: Iterable[str]) -> set[str]:
-        """The per-expert checkpoint names the loaded FusedMoE parameters are filled from (one parameter
-        holds every expert, so a missing expert does not show in the set of loaded parameters)."""
         return {
-            name.replace(param_name, weight_name)
-            for name in loaded
-            for param_name, weight_name, _, _ in self.expert_params_mapping
-            if param_name in name
+            load_stacked_or_expert(
+                params,
+                name,
+                tensor,
+                stacked_params=STACKED_PARAMS,
+                expert_mapping=self.expert_params_mapping,
+                num_experts=self.config.n_routed_experts,
+            )
+            for name, tensor in weights
         }
-
-    def _unknown(self, name: str) -> remap.GlmDsaWeightsError:
-        return remap.GlmDsaWeightsError(
-            f"GLM-DSA checkpoint tensor {self.prefix}.{name}: the model has no such tensor and no skip rule "
-            "drops it (names this adapter accepts: glm_dsa/remap.py)"
-        )
 
 
 class GlmMoeDsaForCausalLM(nn.Module):
@@ -577,8 +547,10 @@ class GlmMoeDsaForCausalLM(nn.Module):
         config = vllm_config.model_config.hf_text_config
         self.config = config
         self.vllm_config = vllm_config
-        self.model = GlmDsaModel(vllm_config=vllm_config, prefix="model")
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, quant_config=None, prefix="lm_head")
+        self.model = GlmDsaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.lm_head = ParallelLMHead(
+            config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
+        )
         if getattr(config, "tie_word_embeddings", False):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -590,7 +562,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
             [i for i, t in enumerate(types[: config.num_hidden_layers]) if t == "shared"],
             dense=self.model.mode is AttentionMode.DENSE,
         )
-        self.weights_mapper = self.hf_to_vllm_mapper | remap.skip_mapper(self.skip_rules)
         self.skipped_weights: dict[str, str] = {}
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -604,25 +575,16 @@ class GlmMoeDsaForCausalLM(nn.Module):
 
     # -- weights ------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        log = remap.WeightLog(self.skip_rules)
-        try:
-            loaded = AutoWeightsLoader(self).load_weights(log.watch(weights), mapper=self.weights_mapper)
-        except remap.GlmDsaWeightsError:
-            raise
-        except ValueError as exc:
-            # vLLM's loader names a module ('rot' for 'rot.bias'); say which checkpoint tensor it was
-            if log.current is None:
-                raise
-            raise remap.GlmDsaWeightsError(f"GLM-DSA checkpoint tensor {log.current}: {exc}") from exc
-        # vLLM checks this itself only for unquantized models, and exempts layers it post-processes
-        missing = sorted(set(dict(self.named_parameters())) - loaded)
-        missing += sorted(self.model.expert_tensor_names(loaded) - log.seen)
-        if missing:
-            raise remap.GlmDsaWeightsError(
-                f"GLM-DSA checkpoint lacks {len(missing)} tensor(s) the model needs: {missing[:20]}"
-            )
-        for layer in self.model.layers:
+        loaded = load_checkpoint(
+            self,
+            weights,
+            what="GLM-DSA",
+            mapper=self.hf_to_vllm_mapper,
+            skips=self.skip_rules,
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.model.expert_params_mapping,
+            error=remap.GlmDsaWeightsError,
+        )
+        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
             layer.self_attn.absorb_weights()
-        self.skipped_weights = log.skipped
-        log.log_skipped(logger, f"GLM-DSA weights ({self.model.mode.value} path)")
         return loaded

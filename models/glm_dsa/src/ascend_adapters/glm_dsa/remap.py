@@ -14,26 +14,21 @@ error of the model's ``load_weights``.
 
 from __future__ import annotations
 
-import logging
-import re
-from collections.abc import Iterable, Iterator
-
-from vllm.model_executor.models.utils import WeightsMapper
+from ascend_adapters.common.loading import CheckpointError, skip_mapper
 
 
-class GlmDsaWeightsError(ValueError):
+class GlmDsaWeightsError(CheckpointError):
     """A checkpoint tensor the model does not own, or one it needs and the checkpoint lacks (named)."""
 
+
+# (fused parameter, checkpoint shard, shard id): vLLM's stacked_params_mapping for this model
+STACKED_PARAMS = [(".gate_up_proj.", ".gate_proj.", 0), (".gate_up_proj.", ".up_proj.", 1)]
 
 # pattern (searched in the checkpoint name) -> why the served model drops the tensor
 FIXED_SKIPS = {
     r"^rot\.weight$": "MTP-only top-level tensor; the non-MTP model does not own it",
     r"\.rotary_emb\.inv_freq$": "rotary buffer, recomputed",
 }
-
-
-def skip_mapper(rules: dict[str, str]) -> WeightsMapper:
-    return WeightsMapper(orig_to_new_regex={re.compile(pattern): None for pattern in rules})
 
 
 hf_to_vllm_mapper = skip_mapper(FIXED_SKIPS)
@@ -57,35 +52,3 @@ def skip_rules(
             "indexer of a 'shared' layer (reuses the previous layer's top-k)"
         )
     return rules
-
-
-class WeightLog:
-    """What the loader was given: every name, the ones the skip rules drop (with the reason), and
-    ``current``, the name last handed over (None once all are), i.e. the one a loading error is
-    about, since vLLM's loader consumes the weights one at a time."""
-
-    def __init__(self, rules: dict[str, str]):
-        self._rules = [(re.compile(pattern), reason) for pattern, reason in rules.items()]
-        self.seen: set[str] = set()
-        self.skipped: dict[str, str] = {}
-        self.current: str | None = None
-
-    def watch(self, weights: Iterable[tuple[str, object]]) -> Iterator[tuple[str, object]]:
-        for name, tensor in weights:
-            self.current = name
-            self.seen.add(name)
-            for pattern, reason in self._rules:
-                if pattern.search(name):
-                    self.skipped[name] = reason
-                    break
-            yield name, tensor
-        self.current = None
-
-    def log_skipped(self, logger: logging.Logger, what: str) -> None:
-        by_reason: dict[str, list[str]] = {}
-        for name, reason in sorted(self.skipped.items()):
-            by_reason.setdefault(reason, []).append(name)
-        for reason, names in by_reason.items():
-            shown = ", ".join(names[:3]) + (", ..." if len(names) > 3 else "")
-            logger.info("%s: skipped %d tensor(s), %s: %s", what, len(names), reason, shown)
-            logger.debug("%s: skipped (%s): %s", what, reason, names)

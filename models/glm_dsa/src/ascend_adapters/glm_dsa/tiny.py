@@ -73,7 +73,7 @@ def make_tiny(out_dir: str | Path, seed: int = 0, std: float = 0.08, tokenizer: 
         model.model.embed_tokens.weight.mul_(10)
     model.save_pretrained(str(out))
     if tokenizer:
-        from ascend_adapters.common.testing.tokenizer import write_tokenizer
+        from ascend_adapters.common.tokenizer import write_tokenizer
 
         write_tokenizer(out, vocab_size=config.vocab_size)
     # record the tiny-model provenance next to the weights

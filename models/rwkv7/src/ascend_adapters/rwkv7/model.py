@@ -40,11 +40,12 @@ from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
-from vllm.model_executor.models.utils import AutoWeightsLoader, WeightsMapper
+from vllm.model_executor.models.utils import WeightsMapper
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common import cpu_patches, dispatch
+from ascend_adapters.common.loading import load_checkpoint
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
 
@@ -401,7 +402,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaP
         self.config = config
         self.vllm_config = vllm_config
         if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
-            compat.enable_cpu_mamba_state_copy()
+            cpu_patches.enable_cpu_mamba_state_copy()
         self.model = Rwkv7Model(vllm_config=vllm_config, prefix=_join(prefix, "model"))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
         self.logits_processor = LogitsProcessor(config.vocab_size)
@@ -417,7 +418,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaP
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         self._check_checkpoint_shapes()
-        return AutoWeightsLoader(self).load_weights(weights, mapper=self.hf_to_vllm_mapper)
+        return load_checkpoint(self, weights, what="RWKV-7", mapper=self.hf_to_vllm_mapper)
 
     def _check_checkpoint_shapes(self) -> None:
         """Compare safetensors headers with config.json before loading anything (local dirs only)."""

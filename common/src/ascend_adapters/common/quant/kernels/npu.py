@@ -8,7 +8,7 @@ experts) once after loading by ``pack_weight``.
 
 Each call keeps to the operator's documented contract (Ascend op-plugin,
 docs/zh/custom_APIs/torch_npu/*.md); the contracts are checked on CPU by the
-emulator in ``ascend_adapters.common.testing.npu_emulator``, which also runs
+emulator in ``ascend_adapters.testing.npu_emulator``, which also runs
 these functions against the portable kernels. NOTHING HERE HAS RUN ON AN NPU.
 
 * float16 / bfloat16 activations use the fused operators.

@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
-from ascend_adapters.common.testing.tokenizer import write_tokenizer
+from ascend_adapters.common.tokenizer import write_tokenizer
 
 TINY_VOCAB = 512
 

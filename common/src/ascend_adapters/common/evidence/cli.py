@@ -31,7 +31,7 @@ def add_parsers(subparsers) -> None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    from ascend_adapters.common.testing.evidence import check_fresh, records
+    from ascend_adapters.common.evidence import check_fresh, records
 
     root = Path(args.dir)
     found = records(root) if root.is_dir() else []
@@ -46,7 +46,7 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def cmd_index(args: argparse.Namespace) -> int:
-    from ascend_adapters.common.testing.evidence import write_index
+    from ascend_adapters.common.evidence import write_index
 
     print(write_index(args.dir))
     return 0

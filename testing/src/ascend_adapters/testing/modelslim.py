@@ -145,7 +145,7 @@ def make_tiny_llama_exports(
     root: str | os.PathLike, seed: int = 0, modes=("dynamic", "static"), **llama_overrides
 ) -> dict[str, Path]:
     """A tiny float Llama (``factory.make_tiny_llama``) and its msmodelslim exports under ``root``."""
-    from ascend_adapters.common.testing.factory import make_tiny_llama
+    from ascend_adapters.testing.factory import make_tiny_llama
 
     root = Path(root)
     dirs = {"float": make_tiny_llama(root / "float", seed=seed, **llama_overrides)}
@@ -222,7 +222,7 @@ def export_w8a8(
     """
     import torch
 
-    from ascend_adapters.common.testing.factory import write_safetensors_shards
+    from ascend_adapters.testing.factory import write_safetensors_shards
 
     src_dir, out_dir = Path(src_dir), Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

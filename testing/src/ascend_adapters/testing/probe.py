@@ -19,7 +19,7 @@ from __future__ import annotations
 from ascend_adapters.common.flags import env_flag
 
 PROBE_ENV = "ASCEND_ADAPTERS_TEST_PROBE"
-_MODULE = "ascend_adapters.common.testing.probe_models"
+_MODULE = "ascend_adapters.testing.probe_models"
 
 PROBE_ARCHITECTURES = {
     "AscendProbeLlamaForCausalLM": f"{_MODULE}:ProbeLlamaForCausalLM",

@@ -535,9 +535,9 @@ def write_shim(folder: Path) -> Path:
     pkg = Path(folder) / "torch_npu"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text(
-        '"""CONTRACT EMULATOR of torch_npu for tests (ascend_adapters.common.testing.npu_emulator): not an NPU."""\n'
-        "from ascend_adapters.common.testing.npu_emulator import *  # noqa: F401,F403\n"
-        "from ascend_adapters.common.testing.npu_emulator import IS_CONTRACT_EMULATOR  # noqa: F401\n"
+        '"""CONTRACT EMULATOR of torch_npu for tests (ascend_adapters.testing.npu_emulator): not an NPU."""\n'
+        "from ascend_adapters.testing.npu_emulator import *  # noqa: F401,F403\n"
+        "from ascend_adapters.testing.npu_emulator import IS_CONTRACT_EMULATOR  # noqa: F401\n"
     )
     return Path(folder)
 

@@ -86,7 +86,7 @@ def vllm_logits(
         spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
-            [sys.executable, "-m", "ascend_adapters.common.testing.parity_worker", str(spec_path), str(out_path)],
+            [sys.executable, "-m", "ascend_adapters.testing.parity_worker", str(spec_path), str(out_path)],
             env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
             capture_output=True,
             text=True,

