@@ -45,6 +45,7 @@ COMMON_ROOMS = {
     "admission",
     "status.py",
     "quant",
+    "kernels",
     "loading.py",
     "remap.py",
     "plugin.py",
@@ -199,6 +200,33 @@ def test_vendor_code_only_inside_functions():
         for line, mod in _imports(node)
         if mod.split(".")[0] == "torch_npu"
     ]
+    assert not bad, "\n".join(bad)
+
+
+def _is_npu_twin(fn: ast.FunctionDef) -> bool:
+    for d in fn.decorator_list:
+        call = d.func if isinstance(d, ast.Call) else d
+        if isinstance(call, ast.Attribute) and call.attr == "npu" and getattr(call.value, "id", None) == "dispatch":
+            return True
+    return False
+
+
+def test_npu_twins_only_through_common_dispatch():
+    """A function that imports torch_npu is an NPU twin registered with ``@dispatch.npu`` (or a private helper
+    of a module that registers twins); ``common/platform.py`` alone asks torch_npu whether an NPU is there."""
+    files = _src_files(COMMON_SRC) + [f for a in ADAPTERS for f in _src_files(_adapter_dir(a))]
+    bad = []
+    for p in files:
+        if p == COMMON_SRC / "platform.py":
+            continue
+        tree = _parse(p)
+        fns = [n for n in tree.body if isinstance(n, ast.FunctionDef)]
+        has_twins = any(_is_npu_twin(f) for f in fns)
+        for fn in fns:
+            if not any(mod.split(".")[0] == "torch_npu" for _, mod in _imports(fn)):
+                continue
+            if not (_is_npu_twin(fn) or (fn.name.startswith("_") and has_twins)):
+                bad.append(f"{p.relative_to(ROOT)}:{fn.lineno}: {fn.name} imports torch_npu outside an NPU twin")
     assert not bad, "\n".join(bad)
 
 

@@ -58,3 +58,35 @@ def test_npu_only_op_falls_back_with_error():
 
     with pytest.raises(LookupError, match="no portable implementation"):
         dispatch.op("test.npu_only").resolve(KernelPath.PORTABLE)
+
+
+def test_choose_takes_the_first_candidate_that_serves(monkeypatch):
+    @dispatch.portable("test.chosen")
+    def own(x):
+        return x
+
+    def engine(x):
+        return -x
+
+    tried = []
+
+    def refuses():
+        tried.append("a")
+        return "no kernel for this shape"
+
+    def serves():
+        tried.append("b")
+        return engine
+
+    choice = dispatch.choose("test.chosen", [("a", refuses), ("b", serves)])
+    assert choice.fn is engine and choice.source == "b" and tried == ["a", "b"]
+    choice = dispatch.choose("test.chosen", [("a", refuses)])
+    assert choice.fn is dispatch.op("test.chosen") and choice.source == "portable: no kernel for this shape"
+
+    switch = "ASCEND_ADAPTERS_FLAGS_TEST"  # the scratch variable of test_flags.py
+    monkeypatch.setenv(switch, "1")
+    tried.clear()
+    kept = dispatch.choose("test.chosen", [("b", serves)], switch=switch)
+    assert kept.fn is dispatch.op("test.chosen") and tried == [] and kept.source == f"portable: {switch} is on"
+    monkeypatch.setenv(switch, "0")
+    assert dispatch.choose("test.chosen", [("b", serves)], switch=switch).source == "b"

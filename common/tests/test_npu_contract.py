@@ -96,6 +96,35 @@ def test_emulator_enforces_documented_contracts():
         emu.npu_quantize(x32, torch.ones(1), torch.ones(1).half(), torch.qint8, -1, False)
 
 
+def test_emulator_enforces_the_float_and_clipped_swiglu_contracts():
+    g = _g(2)
+    x, w = torch.randn(5, 16, generator=g).bfloat16(), torch.randn(2, 16, 8, generator=g).bfloat16()
+    kw = dict(split_item=2, group_type=0, group_list=torch.tensor([2, 5]))
+    with pytest.raises(NpuContractError, match="x torch.bfloat16 with weight torch.float16"):
+        emu.npu_grouped_matmul([x], [w.half()], **kw)
+    with pytest.raises(NpuContractError, match="output torch.float32 for x torch.bfloat16"):
+        emu.npu_grouped_matmul([x], [w], output_dtype=torch.float32, **kw)
+    with pytest.raises(NpuContractError, match="x must not be a transposed view"):
+        emu.npu_grouped_matmul([x.t().contiguous().t()], [w], **kw)
+    with pytest.raises(NpuContractError, match="last value 4 != rows of x 5"):
+        emu.npu_grouped_matmul([x], [w], **dict(kw, group_list=torch.tensor([2, 4])))
+    y = emu.npu_grouped_matmul([x], [w], **kw)[0]
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y[2:], (x[2:].float() @ w[1].float()).bfloat16())
+    h = torch.randn(4, 10, generator=g) * 5
+    with pytest.raises(NpuContractError, match="non-contiguous"):
+        emu.npu_clipped_swiglu(h.t().contiguous().t())
+    with pytest.raises(NpuContractError, match="is odd"):
+        emu.npu_clipped_swiglu(h[:, :9].contiguous())
+    with pytest.raises(NpuContractError, match="rank 1"):
+        emu.npu_clipped_swiglu(h[0].contiguous())
+    # 功能说明: A.clamp(max=limit) * sigmoid(alpha A) * (B.clamp(-limit, limit) + bias), front/back halves
+    a, b = h.chunk(2, -1)
+    want = a.clamp(max=2.0) * torch.sigmoid(a.clamp(max=2.0)) * b.clamp(-2.0, 2.0)
+    got = emu.npu_clipped_swiglu(h, alpha=1.0, limit=2.0, bias=0.0, interleaved=False)
+    torch.testing.assert_close(got, want)
+
+
 def test_emulator_math_matches_the_documented_formulas():
     g = _g(1)
     x = (torch.randn(6, 32, generator=g) * 4).bfloat16()
@@ -182,32 +211,86 @@ def _moe_bound(dtype):
     return 2 * (0.5 / 127 + scale_u + 2 * out_u)
 
 
-def _case_moe(dtype, g, e=4, h=64, i=32, t=13, k=2):
+def _case_moe(dtype, g, e=4, h=64, i=32, t=13, k=2, swiglu_limit=None):
     w13, s13, w2, s2, topk_w, ids = _moe_inputs(g, e, h, i, t, k)
     x = torch.randn(t, h, generator=g).to(dtype)
     pack = _npu("modelslim.pack_weight")
-    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids)
-    ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids)
+    kw = {"swiglu_limit": swiglu_limit}
+    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids, **kw)
+    ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids, **kw)
     assert y.dtype == dtype and y.shape == (t, h)
     rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
     assert rel <= _moe_bound(dtype), rel
     return y, ref
 
 
-def _case_glm_rope(dtype, g):
-    from ascend_adapters.glm_dsa import kernels as glm  # noqa: F401  (registers glm_dsa.rope)
+def _case_rope(dtype, g):
+    # GLM-DSA's form (the whole rope slice, [T, H, R]) and DeepSeek-V4's (trailing rope of [T, H, D],
+    # and 2-D [T, D]); more heads than npu_rotary_mul's B*N < 1000 allows in one call.
+    for shape in ((5, 4, 64), (5, 3, 96), (5, 64), (2, 1200, 64)):
+        t, r = shape[0], 64
+        x = torch.randn(*shape, generator=g).to(dtype)
+        ang = torch.rand(t, r // 2, generator=g) * 6.28
+        cos, sin = ang.cos(), ang.sin()
+        y = _npu("common.rope_interleaved")(x, cos, sin)
+        ref = _port("common.rope_interleaved")(x, cos, sin)
+        assert torch.equal(y[..., :-r], x[..., :-r])
+        # The NPU form rounds cos/sin to x's dtype (relative u each) before x*cos + rot(x)*sin; each output
+        # pair element is x_a cos - x_b sin, so the difference is at most u (|x_a| + |x_b|) + 2u |y|.
+        xa, xb = x[..., -r:].double()[..., 0::2], x[..., -r:].double()[..., 1::2]
+        pair = (xa.abs() + xb.abs()).repeat_interleave(2, -1)
+        diff = (y[..., -r:].double() - ref[..., -r:].double()).abs()
+        assert (diff <= U[dtype] * pair + 2 * U[dtype] * ref[..., -r:].double().abs() + 1e-6).all()
+    # A table scaled past 1 (YaRN's attention factor m = 1.25): divided by m for the [-1, 1] rule, multiplied
+    # back: one more rounding of the product by m (u |y|) and of cos/m, sin/m (u each, as above).
+    x = torch.randn(5, 4, 64, generator=g).to(dtype)
+    ang = torch.rand(5, 32, generator=g) * 6.28
+    cos, sin = ang.cos() * 1.25, ang.sin() * 1.25
+    y, ref = _npu("common.rope_interleaved")(x, cos, sin), _port("common.rope_interleaved")(x, cos, sin)
+    pair = (x.double()[..., 0::2].abs() + x.double()[..., 1::2].abs()).repeat_interleave(2, -1) * 1.25
+    assert ((y.double() - ref.double()).abs() <= 2 * U[dtype] * pair + 3 * U[dtype] * ref.double().abs() + 1e-6).all()
 
-    t, h, r = 5, 4, 64
-    x = torch.randn(t, h, r, generator=g).to(dtype)
-    ang = torch.rand(t, r // 2, generator=g) * 6.28
-    cos, sin = ang.cos(), ang.sin()
-    y = _npu("glm_dsa.rope")(x, cos, sin)
-    ref = _port("glm_dsa.rope")(x, cos, sin)
-    # The NPU form rounds cos/sin to x's dtype (relative u each) before x*cos + rot(x)*sin; each output
-    # pair element is x_a cos - x_b sin, so the difference is at most u (|x_a| + |x_b|) + 2u |y|.
-    xa, xb = x.double()[..., 0::2], x.double()[..., 1::2]
-    pair = (xa.abs() + xb.abs()).repeat_interleave(2, -1)
-    assert ((y.double() - ref.double()).abs() <= U[dtype] * pair + 2 * U[dtype] * ref.double().abs() + 1e-6).all()
+
+def _case_swiglu(dtype, g):
+    h = (torch.randn(9, 2, 48, generator=g) * 4).to(dtype)
+    for limit in (None, 1.5):
+        y = _npu("common.swiglu")(h, limit)
+        ref = _port("common.swiglu")(h, limit)
+        assert y.dtype == dtype and y.shape == ref.shape
+        # NPU (emulated op: float32 math, one rounding) against torch in dtype (silu rounded to dtype, then
+        # the product rounded): at most two roundings of relative u apart, plus float32 noise.
+        assert ((y.double() - ref.double()).abs() <= 3 * U[dtype] * ref.double().abs() + 1e-6).all()
+
+
+def _case_swiglu_experts(dtype, g, e=4, h=48, i=32, t=13, k=2):
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    wts = torch.rand(t, k, generator=g)
+    for limit in (None, 1.0):
+        y = _npu("common.swiglu_experts")(x, w13, w2, wts, ids, limit=limit)
+        ref = _port("common.swiglu_experts")(x, w13, w2, wts, ids, limit=limit)
+        assert y.dtype == dtype and y.shape == (t, h)
+        # Both sides round the hidden and the output to dtype and sum k routes in dtype; they differ in the
+        # order of the float32 accumulation (emulated matmul) against torch's, and in the SwiGLU's rounding:
+        # normwise, each side is within (2 + 3 + k) u of the exact result (two matmul roundings, the
+        # SwiGLU's three, k additions), so the two within twice that.
+        rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+        assert rel <= 2 * (2 + 3 + k) * U[dtype], rel
+
+
+def _case_glm_cache_rows(dtype, g):
+    from ascend_adapters.glm_dsa import kernels as glm  # noqa: F401  (registers glm_dsa.cache_rows)
+
+    cache = torch.randn(6, 4, 40, generator=g).to(dtype)
+    slots = torch.randint(0, 24, (3, 5, 7), generator=g)
+    slots[0, 0, 0] = 0  # so that slots - 1 below holds a negative index
+    y = _npu("glm_dsa.cache_rows")(cache, slots)
+    # a gather copies rows: equal to the portable form bit for bit
+    assert torch.equal(y, _port("glm_dsa.cache_rows")(cache, slots))
+    with pytest.raises(NpuContractError, match="no negative indices"):
+        _npu("glm_dsa.cache_rows")(cache, slots - 1)
 
 
 TWINS = {
@@ -215,12 +298,16 @@ TWINS = {
     "modelslim.w8a8_dynamic_linear": _case_dynamic_linear,
     "modelslim.w8a8_static_linear": _case_static_linear,
     "modelslim.w8a8_dynamic_moe": _case_moe,
-    "glm_dsa.rope": _case_glm_rope,
+    "common.rope_interleaved": _case_rope,
+    "common.swiglu": _case_swiglu,
+    "common.swiglu_experts": _case_swiglu_experts,
+    "glm_dsa.cache_rows": _case_glm_cache_rows,
 }
 
 
 def _all_npu_ops():
     # Import every module that registers kernels on this branch, so a new dispatch.npu op is seen here.
+    import ascend_adapters.common.kernels  # noqa: F401
     import ascend_adapters.common.quant.kernels  # noqa: F401
 
     for mod in (
@@ -247,6 +334,16 @@ def test_npu_op_matches_portable_twin(name, dtype, emulated):
 def test_moe_single_local_expert(emulated):
     """group_list_type=1 with one expert is documented invalid: the NPU path must not use it then."""
     _case_moe(torch.bfloat16, _g(11), e=1, k=1)
+
+
+def test_moe_clamped_swiglu_takes_npu_clipped_swiglu(emulated, monkeypatch):
+    """DeepSeek-V4's clamped SwiGLU in the W8A8 experts: npu_clipped_swiglu, within the MoE bound."""
+    called = []
+    monkeypatch.setattr(emu, "_trace", called.append)
+    monkeypatch.setitem(sys.modules, "torch_npu", emu.as_module())
+    # limit 0.05: below the hidden's typical magnitude here, so the clamps act on most elements
+    _case_moe(torch.bfloat16, _g(15), swiglu_limit=0.05)
+    assert "npu_clipped_swiglu" in called and "npu_swiglu" not in called
 
 
 def test_float32_activations_take_a_documented_route(emulated):

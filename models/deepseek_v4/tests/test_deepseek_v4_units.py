@@ -14,6 +14,7 @@ import pytest
 import torch
 from _dsv4_cases import make_native_hca128
 
+from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4 import kernels as K
 from ascend_adapters.deepseek_v4.config import load_transformers_config
 from ascend_adapters.deepseek_v4.remap import MTP_REASON, weights_mapper
@@ -299,7 +300,9 @@ def test_kernels_match_transformers_modules():
         w, ids = K.route(
             logits, top_k=2, scoring="sqrtsoftplus", scaling=1.5, normalize=True, bias=mlp.gate.e_score_correction_bias
         )
-        got = K.moe_experts(x[0], w, ids, mlp.experts.gate_up_proj, mlp.experts.down_proj, model.config.swiglu_limit)
+        got = dispatch.op("common.swiglu_experts")(
+            x[0], mlp.experts.gate_up_proj, mlp.experts.down_proj, w, ids, limit=model.config.swiglu_limit
+        )
         assert torch.allclose(ref, got, atol=1e-5)
 
 

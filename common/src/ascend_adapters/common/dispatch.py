@@ -16,6 +16,18 @@ where one exists, an NPU implementation. Callers never import torch_npu.
 Each call picks the implementation from the device of its first tensor
 argument (``platform.path_for_device``): the NPU implementation for tensors on
 an NPU, the portable one otherwise.
+
+Some calls are better served by an implementation the engine brings (vLLM's own
+CustomOps, vLLM-CPU's oneDNN GEMM) where it exists and accepts the call: what
+serves is only found out by trying. ``choose`` is the one way to decide that,
+once per kind of call:
+
+    choice = dispatch.choose("dsv4.hc_pre", [("vllm", make_vllm_pre)])
+    choice.fn(...)        # the engine's implementation, or the op itself
+    choice.source         # "vllm", or "portable: <why not>"
+
+Each candidate's ``make()`` returns a callable when it serves the call, or a
+string saying why not; the op itself serves when none does.
 """
 
 from __future__ import annotations
@@ -23,6 +35,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from ascend_adapters.common.flags import env_flag
 from ascend_adapters.common.platform import KernelPath, path_for_device
 
 
@@ -99,3 +112,34 @@ def op(name: str) -> Op:
 def registered_ops() -> dict[str, dict[str, bool]]:
     """For `status`: which ops have which implementations."""
     return {n: {"portable": o.portable is not None, "npu": o.npu is not None} for n, o in sorted(_OPS.items())}
+
+
+@dataclass(frozen=True)
+class Choice:
+    """The implementation chosen for one kind of call, and why (``source``)."""
+
+    fn: Callable
+    source: str
+
+
+Candidate = tuple[str, Callable[[], "Callable | str"]]
+
+
+def choose(name: str, candidates: list[Candidate], *, switch: str | None = None) -> Choice:
+    """The first candidate ``(label, make)`` whose ``make()`` returns a callable, else the op itself.
+
+    ``source`` is the label of the candidate chosen, or ``"portable: <reasons>"`` (each candidate's
+    reason, joined with "; "). ``switch`` names an ``ASCEND_ADAPTERS_*`` variable that, when on, keeps
+    the op's own implementation without trying any candidate. The caller caches the choice for its
+    kind of call; nothing is cached here.
+    """
+    own = op(name)
+    if switch is not None and env_flag(switch):
+        return Choice(own, f"portable: {switch} is on")
+    reasons = []
+    for label, make in candidates:
+        got = make()
+        if callable(got):
+            return Choice(got, label)
+        reasons.append(str(got))
+    return Choice(own, "portable: " + "; ".join(reasons))

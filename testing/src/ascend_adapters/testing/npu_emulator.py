@@ -5,7 +5,7 @@ input its documentation does not allow (dtype combinations, ranks, layouts, grou
 limits) with an :class:`NpuContractError` naming the argument, and otherwise computes the documented
 formula on CPU. The rule beside each check cites the Ascend op-plugin page it comes from
 (``docs/zh/custom_APIs/torch_npu/<page>.md`` in github.com/Ascend/op-plugin, read at commit 517f2e7d,
-2026-08-21) and the section (功能说明 = description/formula, 参数说明 = parameters,
+2026-08-21; npu_clipped_swiglu at 12c385b8 and npu_grouped_matmul's float rows at 02ea4757) and the section (功能说明 = description/formula, 参数说明 = parameters,
 约束说明 = constraints). Where this project relies on a behaviour the page does not state (rounding
 mode, saturation, an all-zero row), the emulator picks one and says "(unverified)".
 
@@ -289,6 +289,9 @@ def npu_grouped_matmul(
     _require(
         xt.dim() == 2 and wt.dim() == 3, op, _GMM, "约束说明 单单单", f"x {tuple(xt.shape)}, weight {tuple(wt.shape)}"
     )
+    floats = (torch.float16, torch.bfloat16, torch.float32)
+    if xt.dtype in floats:
+        return [_grouped_matmul_float(xt, wt, bias, scale, per_token_scale, group_list, group_list_type, output_dtype)]
     _require(
         xt.dtype == torch.int8 and wt.dtype == torch.int8, op, _GMM, "参数说明 x/weight", "int8 x int8 only emulated"
     )
@@ -296,30 +299,8 @@ def npu_grouped_matmul(
     _require(xt.shape[1] == K, op, _GMM, "功能说明", f"x [M, {xt.shape[1]}] against weight [E, K={K}, N]")
     # 约束说明: "x和weight中每一组tensor的最后一维大小都应小于InnerLimit" (65536 on A2/A3)
     _require(K < _GMM_INNER_LIMIT and N < _GMM_INNER_LIMIT, op, _GMM, "约束说明 InnerLimit", f"K={K}, N={N}")
-    # 参数说明 group_list: Tensor, 1-D, int64, one entry per group
-    gl = group_list
-    _require(isinstance(gl, torch.Tensor), op, _GMM, "参数说明 group_list", "must be a Tensor for int8 per-token")
-    _require(
-        gl.dtype == torch.int64 and gl.dim() == 1, op, _GMM, "参数说明 group_list", f"{gl.dtype} {tuple(gl.shape)}"
-    )
-    _require(gl.numel() == E, op, _GMM, "参数说明 group_list", f"{gl.numel()} entries for {E} groups")
-    # 约束说明 单单单: "group_list第1维最大支持1024"
-    _require(gl.numel() <= 1024, op, _GMM, "约束说明 单单单", "more than 1024 groups")
     M = xt.shape[0]
-    if group_list_type == 0:
-        # 参数说明 group_list: type 0 "必须为非负、单调非递减数列"; 单单单: "最后一个值与x中tensor的第一维相等"
-        ok = bool((gl >= 0).all()) and bool((gl[1:] >= gl[:-1]).all())
-        _require(ok, op, _GMM, "参数说明 group_list", "type 0 needs a non-negative, non-decreasing cumsum")
-        _require(int(gl[-1]) == M, op, _GMM, "约束说明 单单单", f"last value {int(gl[-1])} != rows of x {M}")
-        counts = torch.diff(gl, prepend=gl.new_zeros(1))
-    elif group_list_type == 1:
-        # 参数说明 group_list: type 1 "必须为非负数列，且长度不能为1"; 单单单: "数值的总和与x中tensor的第一维相等"
-        _require(bool((gl >= 0).all()), op, _GMM, "参数说明 group_list", "type 1 counts must be non-negative")
-        _require(gl.numel() != 1, op, _GMM, "参数说明 group_list", "type 1 group_list may not have length 1")
-        _require(int(gl.sum()) == M, op, _GMM, "约束说明 单单单", f"counts sum {int(gl.sum())} != rows of x {M}")
-        counts = gl
-    else:
-        raise NotImplementedError(f"{op}: group_list_type {group_list_type} is not emulated")
+    counts = _group_counts(group_list, group_list_type, E, M)
     # 参数说明 scale (group_list Tensor): float32, bfloat16, int64; one scale per group and output channel
     # ([E, N] for a single 3-D weight, as vllm-ascend's moe_mlp.py passes it).
     _require(scale is not None and len(scale) == 1, op, _GMM, "参数说明 scale", "one scale tensor for the one weight")
@@ -363,6 +344,63 @@ def npu_grouped_matmul(
     return [y.to(out)]
 
 
+def _group_counts(gl, group_list_type: int, E: int, M: int) -> torch.Tensor:
+    op = "npu_grouped_matmul"
+    # 参数说明 group_list: Tensor, 1-D, int64, one entry per group
+    _require(isinstance(gl, torch.Tensor), op, _GMM, "参数说明 group_list", "must be a Tensor here")
+    _require(
+        gl.dtype == torch.int64 and gl.dim() == 1, op, _GMM, "参数说明 group_list", f"{gl.dtype} {tuple(gl.shape)}"
+    )
+    _require(gl.numel() == E, op, _GMM, "参数说明 group_list", f"{gl.numel()} entries for {E} groups")
+    # 约束说明 单单单: "group_list第1维最大支持1024"
+    _require(gl.numel() <= 1024, op, _GMM, "约束说明 单单单", "more than 1024 groups")
+    if group_list_type == 0:
+        # 参数说明 group_list: type 0 "必须为非负、单调非递减数列"; 单单单: "最后一个值与x中tensor的第一维相等"
+        ok = bool((gl >= 0).all()) and bool((gl[1:] >= gl[:-1]).all())
+        _require(ok, op, _GMM, "参数说明 group_list", "type 0 needs a non-negative, non-decreasing cumsum")
+        _require(int(gl[-1]) == M, op, _GMM, "约束说明 单单单", f"last value {int(gl[-1])} != rows of x {M}")
+        return torch.diff(gl, prepend=gl.new_zeros(1))
+    if group_list_type == 1:
+        # 参数说明 group_list: type 1 "必须为非负数列，且长度不能为1"; 单单单: "数值的总和与x中tensor的第一维相等"
+        _require(bool((gl >= 0).all()), op, _GMM, "参数说明 group_list", "type 1 counts must be non-negative")
+        _require(gl.numel() != 1, op, _GMM, "参数说明 group_list", "type 1 group_list may not have length 1")
+        _require(int(gl.sum()) == M, op, _GMM, "约束说明 单单单", f"counts sum {int(gl.sum())} != rows of x {M}")
+        return gl
+    raise NotImplementedError(f"{op}: group_list_type {group_list_type} is not emulated")
+
+
+def _grouped_matmul_float(xt, wt, bias, scale, per_token_scale, gl, group_list_type, output_dtype):
+    """The 非量化 (float) rows of 约束说明 表2, single x / weight / y (单单单)."""
+    op = "npu_grouped_matmul"
+    # 约束说明 表2 非量化: x and weight of one dtype (float16, bfloat16, float32), y in that dtype,
+    # no scale / per_token_scale (None); bias not emulated (this project passes none)
+    _require(wt.dtype == xt.dtype, op, _GMM, "约束说明 表2 非量化", f"x {xt.dtype} with weight {wt.dtype}")
+    _require(scale is None and per_token_scale is None, op, _GMM, "约束说明 表2 非量化", "scale must be None")
+    out = xt.dtype if output_dtype is None else output_dtype
+    # 参数说明 output_dtype: None means x's dtype; 表2 非量化: y has x's dtype
+    _require(out == xt.dtype, op, _GMM, "约束说明 表2 非量化", f"output {out} for x {xt.dtype}")
+    if bias is not None:
+        raise NotImplementedError(f"{op}: bias on the float rows is not emulated")
+    # 约束说明 单单单: "weight中tensor需为3维，x、y中tensor需为2维"; "x不支持转置"
+    _require(xt.dim() == 2 and wt.dim() == 3, op, _GMM, "约束说明 单单单", f"x {tuple(xt.shape)}, w {tuple(wt.shape)}")
+    _require(xt.is_contiguous(), op, _GMM, "约束说明 单单单", "x不支持转置 (x must not be a transposed view)")
+    E, K, N = wt.shape
+    _require(xt.shape[1] == K, op, _GMM, "功能说明", f"x [M, {xt.shape[1]}] against weight [E, K={K}, N]")
+    # 约束说明: "x和weight中每一组tensor的最后一维大小都应小于InnerLimit" (65536 on A2/A3); for a transposed
+    # weight (支持weight转置) its last dimension is K
+    w_last = K if wt.stride(-2) == 1 and wt.stride(-1) != 1 else N
+    _require(K < _GMM_INNER_LIMIT and w_last < _GMM_INNER_LIMIT, op, _GMM, "约束说明 InnerLimit", f"K={K}, N={N}")
+    counts = _group_counts(gl, group_list_type, E, xt.shape[0])
+    # 功能说明 非量化 (公式1): y_i = x_i @ weight_i; computed in float32 and rounded once (unverified: the
+    # page gives the formula, not the accumulation precision)
+    y = torch.empty(xt.shape[0], N, dtype=torch.float32)
+    start = 0
+    for e, c in enumerate(counts.tolist()):
+        y[start : start + c] = xt[start : start + c].float() @ wt[e].float()
+        start += c
+    return y.to(out)
+
+
 # --- npu_swiglu --------------------------------------------------------------------------------------
 _SWIGLU = "（beta）torch_npu-npu_swiglu.md"
 
@@ -380,6 +418,55 @@ def npu_swiglu(input, dim=-1):
     # 功能说明: swiglu(x) = A * sigmoid(A) * B, A the first half along dim, B the second; output in input's dtype
     a, b = input.float().chunk(2, dim=dim)
     return (a * torch.sigmoid(a) * b).to(input.dtype)
+
+
+# --- npu_clipped_swiglu ------------------------------------------------------------------------------
+_CLIPPED = "torch_npu-npu_clipped_swiglu.md"
+
+
+def npu_clipped_swiglu(x, *, group_index=None, dim=-1, alpha=1.702, limit=7.0, bias=1.0, interleaved=True):
+    op = "npu_clipped_swiglu"
+    _trace(op)
+    # 参数说明 x: float16, bfloat16, float32; "不支持非连续的Tensor"; "维数必须大于1维且第dim轴的元素数量为偶数"
+    _require(x.dtype in (torch.float16, torch.bfloat16, torch.float32), op, _CLIPPED, "参数说明 x", f"{x.dtype}")
+    _require(x.is_contiguous(), op, _CLIPPED, "参数说明 x", "non-contiguous tensor")
+    _require(x.dim() > 1, op, _CLIPPED, "参数说明 x", f"rank {x.dim()} (more than 1 needed)")
+    _require(x.shape[dim] % 2 == 0, op, _CLIPPED, "参数说明 x", f"dim {dim} of size {x.shape[dim]} is odd")
+    # 参数说明 dim: range [-x.dim(), x.dim() - 1]
+    _require(-x.dim() <= dim < x.dim(), op, _CLIPPED, "参数说明 dim", f"dim {dim} for rank {x.dim()}")
+    if group_index is not None:
+        raise NotImplementedError(f"{op}: group_index is not emulated (this project does not pass it)")
+    # 功能说明 steps 3-4: split (odd/even or front/back), A.clamp(max=limit), B.clamp(-limit, limit),
+    # y = A * sigmoid(alpha * A) * (B + bias); 返回值说明: y in x's dtype, dim halved
+    xf = x.float().movedim(dim, -1)
+    a, b = (xf[..., 0::2], xf[..., 1::2]) if interleaved else xf.chunk(2, dim=-1)
+    a = a.clamp(max=limit)
+    b = b.clamp(min=-limit, max=limit)
+    y = a * torch.sigmoid(alpha * a) * (b + bias)
+    return y.movedim(-1, dim).to(x.dtype)
+
+
+# --- npu_gather_sparse_index -------------------------------------------------------------------------
+_GATHER = "torch_npu-npu_gather_sparse_index.md"
+_GATHER_DTYPES = (
+    torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool, torch.float64, torch.complex64, torch.complex128,
+)  # fmt: skip
+
+
+def npu_gather_sparse_index(input, index):
+    op = "npu_gather_sparse_index"
+    _trace(op)
+    # 参数说明 input: the dtypes listed; index: int64 or int32, at most 7 dims, values in [0, input.shape[0] - 1]
+    _require(input.dtype in _GATHER_DTYPES, op, _GATHER, "参数说明 input", f"{input.dtype}")
+    _require(index.dtype in (torch.int64, torch.int32), op, _GATHER, "参数说明 index", f"{index.dtype}")
+    _require(index.dim() <= 7, op, _GATHER, "参数说明 index", f"rank {index.dim()} (at most 7)")
+    ok = index.numel() == 0 or (int(index.min()) >= 0 and int(index.max()) <= input.shape[0] - 1)
+    _require(ok, op, _GATHER, "参数说明 index", f"values outside [0, {input.shape[0] - 1}] (no negative indices)")
+    # 约束说明: "index.dim + input.dim - 1 <= 8"
+    _require(index.dim() + input.dim() - 1 <= 8, op, _GATHER, "约束说明", "index.dim + input.dim - 1 > 8")
+    # 功能说明: y[i, j] = x[idx[i], j]; 返回值说明: shape index.shape + input.shape[1:], input's dtype
+    return input.index_select(0, index.reshape(-1).long()).view(*index.shape, *input.shape[1:])
 
 
 # --- npu_rotary_mul ----------------------------------------------------------------------------------
@@ -463,5 +550,7 @@ __all__ = [
     "npu_quant_matmul",
     "npu_grouped_matmul",
     "npu_swiglu",
+    "npu_clipped_swiglu",
     "npu_rotary_mul",
+    "npu_gather_sparse_index",
 ]

@@ -35,6 +35,8 @@ from ascend_adapters.common.quant.kernels import portable
 
 logger = logging.getLogger("ascend_adapters")
 
+ENGINE = "engine"  # dispatch.choose label: vLLM-CPU's prepacked oneDNN int8 GEMM
+
 
 def decode_deq_scale(deq: torch.Tensor) -> torch.Tensor:
     """deq_scale as float32: int64 values carry the float32 bit pattern in their low 32 bits."""
@@ -150,12 +152,17 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
             raise DescriptionError(f"{self.prefix}.weight_scale: contains non-finite values")
         _replace(layer, "weight_scale", scale.contiguous())
         weight = dispatch.op("modelslim.pack_weight")(layer.weight.data)
-        engine = None
-        if path_for_device(weight.device.type) is KernelPath.PORTABLE:
+
+        def engine_gemm():
+            if path_for_device(weight.device.type) is not KernelPath.PORTABLE:
+                return "the NPU path"
             engine = portable.engine_int8_linear(weight, layer.weight_scale)
-        if engine is not None:
+            return engine if engine is not None else "no engine int8 GEMM for this weight"
+
+        choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(ENGINE, engine_gemm)])
+        if choice.source == ENGINE:
             # the engine keeps its own prepacked copy: release the plain weight, as vLLM's CPU W8A8 kernel does
-            layer.modelslim_engine_linear = engine
+            layer.modelslim_engine_linear = choice.fn
             delattr(layer, "weight")
             layer.register_parameter("weight", None)
         else:

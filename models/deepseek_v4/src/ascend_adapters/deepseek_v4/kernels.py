@@ -1,9 +1,20 @@
 """DeepSeek-V4 math as portable torch ops behind common's dispatch layer.
 
-Each op is registered with ``@dispatch.portable``; an NPU build may add a
-``@dispatch.npu`` implementation of the same name later without touching the
-model. Everything runs in float32 where the reference does (norms, mHC
-weights, router scores, softmaxes).
+Each op is registered with ``@dispatch.portable``. Everything runs in float32 where the reference
+does (norms, mHC weights, router scores, softmaxes). The ops DeepSeek-V4 shares with the other
+adapters live in ``ascend_adapters.common.kernels``: interleaved RoPE (``common.rope_interleaved``),
+the clamped SwiGLU (``common.swiglu``) and the routed float experts (``common.swiglu_experts``), each
+with its NPU twin.
+
+NPU twins of this model's own hot ops (op-plugin docs/zh/custom_APIs/torch_npu, searched for each):
+
+* ``dsv4.compress_windows`` (the compressor's softmax-gated window pooling): no documented op;
+* ``dsv4.sink_attention`` (the sparse attention over the window and the compressed entries the
+  indexer keeps, with a per-head sink logit): ``npu_fused_infer_attention_score_v2`` documents a
+  ``learnable_sink`` input; a twin through it is not written yet (its contract is not emulated);
+* ``dsv4.route`` hash routing (``tid2eid[token]`` then sqrtsoftplus scores gathered):
+  ``npu_moe_gating_top_k`` scores by sigmoid/softmax with a top-k only, no table and no
+  sqrtsoftplus: no documented op.
 """
 
 from __future__ import annotations
@@ -14,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common import kernels as _shared  # noqa: F401  (registers the shared ops the model calls)
 
 
 # ---------------------------------------------------------------- norms / rope
@@ -74,22 +86,6 @@ def rope_inv_freq(params: dict, head_dim: int, max_position_embeddings: int) -> 
 def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
     return freqs.cos() * scale, freqs.sin() * scale
-
-
-@dispatch.portable("dsv4.rope_interleaved")
-def rope_interleaved(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the trailing ``2*cos.shape[-1]`` channels of ``x``.
-
-    ``x`` is ``[T, ..., D]``; ``cos``/``sin`` are ``[T, rd/2]`` (one angle per pair).
-    """
-    rd = 2 * cos.shape[-1]
-    extra = x.dim() - 2
-    c = cos.repeat_interleave(2, dim=-1).view(cos.shape[0], *([1] * extra), rd)
-    s = sin.repeat_interleave(2, dim=-1).view(sin.shape[0], *([1] * extra), rd)
-    nope, rope = x[..., :-rd], x[..., -rd:]
-    rot = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    out = (rope.float() * c + rot.float() * s).to(x.dtype)
-    return torch.cat([nope, out], dim=-1)
 
 
 # ---------------------------------------------------------------- mHC
@@ -173,85 +169,6 @@ def route(
     if normalize:
         w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
     return w * scaling, ids
-
-
-def clipped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None) -> torch.Tensor:
-    if limit is not None and limit > 0:
-        gate = gate.clamp(max=limit)
-        up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
-
-
-def _grouped_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, n_experts: int, expert) -> torch.Tensor:
-    """Sum over routes of ``weight * expert(e, x[tokens routed to e])``, one call per expert that has tokens."""
-    out = torch.zeros_like(x)
-    flat_ids = ids.reshape(-1)
-    order = torch.argsort(flat_ids, stable=True)
-    counts = torch.bincount(flat_ids, minlength=n_experts).tolist()
-    tok = order // ids.shape[1]
-    wts = weights.reshape(-1)[order]
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        idx = tok[start : start + c]
-        out.index_add_(0, idx, expert(e, x[idx]) * wts[start : start + c, None].to(x.dtype))
-        start += c
-    return out
-
-
-@dispatch.portable("dsv4.moe_experts")
-def moe_experts(
-    x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, limit: float | None
-) -> torch.Tensor:
-    """Routed experts, grouped by expert. ``w13 [E, 2I, H]`` (gate rows then up rows), ``w2 [E, H, I]``."""
-
-    def expert(e: int, xs: torch.Tensor) -> torch.Tensor:
-        g, u = F.linear(xs, w13[e]).chunk(2, dim=-1)
-        return F.linear(clipped_swiglu(g, u, limit), w2[e])
-
-    return _grouped_experts(x, weights, ids, w13.shape[0], expert)
-
-
-@dispatch.portable("dsv4.fused_experts")
-def fused_experts(
-    x: torch.Tensor,
-    w13: torch.Tensor,
-    w2: torch.Tensor,
-    topk_weights: torch.Tensor,
-    topk_ids: torch.Tensor,
-    *,
-    expert_map: torch.Tensor | None = None,
-    limit: float | None = None,
-) -> torch.Tensor:
-    """Float routed experts of vLLM's fused-MoE layer: this rank's ``w13 [E_local, 2I, H]`` / ``w2``.
-
-    ``topk_ids`` are global ids; ``expert_map`` (global -> local, -1 elsewhere) drops the routes
-    of experts on other ranks. Returns this rank's partial sum (vLLM's layer reduces across ranks).
-    """
-    from ascend_adapters.common.quant.kernels.portable import local_routes
-
-    local = local_routes(topk_ids, w13.shape[0], expert_map)
-    out = torch.zeros_like(x)
-    flat, tok_w = local.reshape(-1), topk_weights.float().reshape(-1)
-    tok = torch.arange(x.shape[0], device=x.device).repeat_interleave(local.shape[1])
-    sel = flat >= 0
-    flat, tok, tok_w = flat[sel], tok[sel], tok_w[sel]
-    if flat.numel() == 0:
-        return out
-    order = torch.argsort(flat, stable=True)
-    flat, tok, tok_w = flat[order], tok[order], tok_w[order]
-    counts = torch.bincount(flat, minlength=w13.shape[0]).tolist()
-    start = 0
-    for e, c in enumerate(counts):
-        if c == 0:
-            continue
-        idx = tok[start : start + c]
-        g, u = F.linear(x[idx], w13[e]).chunk(2, dim=-1)
-        y = F.linear(clipped_swiglu(g, u, limit), w2[e])
-        out.index_add_(0, idx, y * tok_w[start : start + c, None].to(x.dtype))
-        start += c
-    return out
 
 
 # ---------------------------------------------------------------- attention

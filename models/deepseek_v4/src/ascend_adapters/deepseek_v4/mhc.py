@@ -13,8 +13,10 @@ dtype first.
 ``hc_mult`` and hidden size: vLLM declares no capability of its own, and what runs depends on
 engine and platform (vLLM 0.32's CPU kernels take bfloat16/float16 activations only; 0.27/0.28 on
 CPU fall back to a bfloat16-only torch reference, and have no ``HCHeadOp`` there). An op that
-raises is not used; float32 models always take the portable ops; ``HCOps.source`` says which implementation each op got and why.
-``ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC=on`` keeps all three on the portable ops.
+raises is not used; float32 models always take the portable ops. Each op is decided by common's
+``dispatch.choose`` (vLLM's op as the one candidate); ``HCOps.source`` says which implementation
+each op got and why. ``ASCEND_ADAPTERS_DEEPSEEK_V4_PORTABLE_MHC=on`` keeps all three on the portable
+ops.
 """
 
 from __future__ import annotations
@@ -63,28 +65,25 @@ def hc_ops(config, dtype: torch.dtype) -> HCOps:
 
 @functools.lru_cache(maxsize=8)
 def _select(dtype, n: int, hidden: int, iters: int, hc_eps: float, norm_eps: float) -> HCOps:
-    ops = {"pre": dispatch.op("dsv4.hc_pre"), "post": dispatch.op("dsv4.hc_post"), "head": dispatch.op("dsv4.hc_head")}
-    if env_flag(PORTABLE_MHC_ENV):
-        return HCOps(**ops, source=dict.fromkeys(ops, f"portable: {PORTABLE_MHC_ENV} is on"))
-    if dtype not in VLLM_DTYPES:
-        return HCOps(**ops, source=dict.fromkeys(ops, f"portable: vLLM's mHC ops take bfloat16/float16, not {dtype}"))
-    classes = compat.mhc_op_classes()
-    if classes is None:
-        return HCOps(**ops, source=dict.fromkeys(ops, "portable: this vLLM has no mHC ops"))
-    wrapped = {
-        "pre": _vllm_pre(classes.pre()),
-        "post": _vllm_post(classes.post()),
-        "head": _vllm_head(classes.head()),
-    }
-    source = {}
-    for name, fn in wrapped.items():
-        why = _probe(name, fn, dtype, n, hidden, iters, hc_eps, norm_eps)
-        if why is None:
-            ops[name], source[name] = fn, VLLM
-        else:
-            source[name] = f"portable: vLLM's op does not serve this call ({why})"
-    logger.info("ascend_adapters.deepseek_v4: mHC ops for %s, hidden %d: %s", dtype, hidden, source)
-    return HCOps(**ops, source=source)
+    wrappers = {"pre": _vllm_pre, "post": _vllm_post, "head": _vllm_head}
+    fns, source = {}, {}
+    for name, wrap in wrappers.items():
+
+        def make(name=name, wrap=wrap):
+            if dtype not in VLLM_DTYPES:
+                return f"vLLM's mHC ops take bfloat16/float16, not {dtype}"
+            classes = compat.mhc_op_classes()
+            if classes is None:
+                return "this vLLM has no mHC ops"
+            fn = wrap(getattr(classes, name)())
+            why = _probe(name, fn, dtype, n, hidden, iters, hc_eps, norm_eps)
+            return fn if why is None else f"vLLM's op does not serve this call ({why})"
+
+        choice = dispatch.choose(f"dsv4.hc_{name}", [(VLLM, make)], switch=PORTABLE_MHC_ENV)
+        fns[name], source[name] = choice.fn, choice.source
+    if dtype in VLLM_DTYPES and not env_flag(PORTABLE_MHC_ENV) and compat.mhc_op_classes() is not None:
+        logger.info("ascend_adapters.deepseek_v4: mHC ops for %s, hidden %d: %s", dtype, hidden, source)
+    return HCOps(**fns, source=source)
 
 
 def _vllm_pre(op) -> Callable:

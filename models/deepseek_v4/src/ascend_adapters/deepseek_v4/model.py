@@ -144,7 +144,7 @@ class DeepseekV4Compressor(nn.Module):
         first_w = first_pos // self.rate + (1 if (self.overlap and has_prev) else 0)
         pos = torch.arange(out.shape[0], device=x.device) * self.rate + first_w * self.rate
         cos, sin = rope(pos)
-        return op("dsv4.rope_interleaved")(out, cos, sin)
+        return op("common.rope_interleaved")(out, cos, sin)
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -350,7 +350,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         n = x.shape[0]
         qi = ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim)
         cos, sin = self.rope_compress(qpos)
-        qi = op("dsv4.rope_interleaved")(qi, cos, sin)
+        qi = op("common.rope_interleaved")(qi, cos, sin)
         w = ind.weights_proj(x)
         scores = op("dsv4.indexer_scores")(qi, idx_entries, w, ind.softmax_scale, ind.weights_scale)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -369,8 +369,8 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         q = self.q_b_proj(qr).view(t, self.n_heads, self.head_dim)
         q = op("dsv4.rms_norm")(q, None, self.eps)
         cos, sin = self.rope(positions)
-        q = op("dsv4.rope_interleaved")(q, cos, sin)
-        kv = op("dsv4.rope_interleaved")(self.kv_norm(kv), cos, sin)
+        q = op("common.rope_interleaved")(q, cos, sin)
+        kv = op("common.rope_interleaved")(self.kv_norm(kv), cos, sin)
 
         out = torch.empty_like(q)
         md = get_forward_context().attn_metadata
@@ -387,7 +387,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 state = [s[slots[i]] for s in self.kv_cache]
                 out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
         # K = V carried rope on its trailing slice: undo it at the query position.
-        out = op("dsv4.rope_interleaved")(out, cos, -sin)
+        out = op("common.rope_interleaved")(out, cos, -sin)
         grouped = out.reshape(t, self.o_groups, -1)
         o = op("dsv4.grouped_linear")(grouped, self.o_a_proj.weight, self.o_groups)
         return self.o_b_proj(o)

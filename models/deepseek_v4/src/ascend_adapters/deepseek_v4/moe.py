@@ -13,7 +13,7 @@ Two pieces are this model's own:
   path asserts softmax scoring), measured here;
 * the float experts (``DeepseekV4FloatMoEMethod``): vLLM's CPU unquantized kernel ignores
   ``swiglu_limit`` (measured on 0.32: its output equals the unclamped SwiGLU), so float experts run
-  the portable clamped-SwiGLU kernel, which honours ``expert_map`` for expert parallelism.
+  common's clamped-SwiGLU experts kernel, which honours ``expert_map`` for expert parallelism.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowPar
 from vllm.model_executor.utils import set_weight_attrs
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common import kernels as _common_kernels  # noqa: F401  (registers the shared ops)
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 
 op = dispatch.op
@@ -67,7 +68,7 @@ class DeepseekV4Router(FusedMoERouter):
 
 
 class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
-    """Float routed experts with the clamped SwiGLU, through the portable ``dsv4.fused_experts`` op."""
+    """Float routed experts with the clamped SwiGLU, through common's ``common.swiglu_experts`` op."""
 
     def create_weights(
         self,
@@ -102,7 +103,7 @@ class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         from ascend_adapters.common.quant.moe import swiglu_limit
 
-        return op("dsv4.fused_experts")(
+        return op("common.swiglu_experts")(
             x,
             layer.w13_weight,
             layer.w2_weight,
@@ -184,11 +185,9 @@ class DeepseekV4MoE(nn.Module):
         return self.experts.routed_experts
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
-        from ascend_adapters.deepseek_v4.kernels import clipped_swiglu
-
         logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
         routed = self.experts(hidden_states=x, router_logits=logits, input_ids=input_ids)
         if isinstance(routed, tuple):  # (shared, routed) when a runner owns shared experts; ours does not
             routed = routed[-1]
-        g, u = self.shared_experts.gate_up_proj(x).chunk(2, dim=-1)
-        return routed + self.shared_experts.down_proj(clipped_swiglu(g, u, self.limit))
+        shared = op("common.swiglu")(self.shared_experts.gate_up_proj(x), self.limit)
+        return routed + self.shared_experts.down_proj(shared)

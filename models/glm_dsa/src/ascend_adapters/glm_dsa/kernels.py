@@ -1,7 +1,8 @@
 """The model's own math, as kernel ops behind ``ascend_adapters.common.dispatch``.
 
 Every op has a portable torch implementation (what the CPU tests run). The
-rotary op also has a thin NPU form; the NPU forms are not tested here.
+rotary embedding is common's ``common.rope_interleaved`` (``ascend_adapters.common.kernels.rope``),
+with its NPU twin there.
 
 Attention is computed in the latent space, as vLLM's own MLA backends do:
 the cache holds one row ``[kv_c | k_pe | indexer_k]`` per token, the query's
@@ -18,13 +19,14 @@ rows (a prefilling request: N=1, S=its tokens, K=its context; a batch of
 decodes: N=decodes, S=1, K=the rows each one reads), H heads, R =
 kv_lora_rank, P = rope dim.
 
-* ``glm_dsa.rope``: interleaved ("GPT-J") rotary embedding of the rope slice,
-  ``x [T, H, R]`` with ``cos``/``sin`` ``[T, R/2]``. The pairs stay in place;
-  transformers' reference writes them de-interleaved, which gives the same
-  dot products because queries and keys are permuted alike.
+* ``common.rope_interleaved`` (common's): interleaved ("GPT-J") rotary embedding
+  of the rope slice, ``x [T, H, R]`` with ``cos``/``sin`` ``[T, R/2]``. The pairs stay
+  in place; transformers' reference writes them de-interleaved, which gives the
+  same dot products because queries and keys are permuted alike.
 * ``glm_dsa.cache_write`` / ``glm_dsa.cache_gather`` / ``glm_dsa.cache_rows``:
   the paged cache ``[blocks, block_size, C]``; write rows at slots, read one
-  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor.
+  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor (the
+  sparse attention's gather; NPU twin ``npu_gather_sparse_index``).
 * ``glm_dsa.indexer_topk``: lightning-indexer scores and the top-k context
   positions per query among its valid (causal) keys, ``-1`` where a query has
   fewer than ``topk`` valid keys.
@@ -36,28 +38,7 @@ from __future__ import annotations
 import torch
 
 from ascend_adapters.common import dispatch
-
-
-@dispatch.portable("glm_dsa.rope")
-def rope_portable(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved pairs (x0, x1), (x2, x3), ... of ``x [T, H, R]``."""
-    cos = cos.unsqueeze(1).to(torch.float32)
-    sin = sin.unsqueeze(1).to(torch.float32)
-    xf = x.to(torch.float32)
-    x1, x2 = xf[..., 0::2], xf[..., 1::2]
-    out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    return out.to(x.dtype)
-
-
-@dispatch.npu("glm_dsa.rope")
-def rope_npu(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # pragma: no cover
-    """torch_npu interleaved rotary (mode 1). Not exercised on CPU."""
-    import torch_npu
-
-    t, h, r = x.shape
-    c = torch.repeat_interleave(cos, 2, dim=-1).view(t, 1, 1, r).to(x.dtype)
-    s = torch.repeat_interleave(sin, 2, dim=-1).view(t, 1, 1, r).to(x.dtype)
-    return torch_npu.npu_rotary_mul(x.view(t, h, 1, r), c, s, rotary_mode="interleave").view(t, h, r)
+from ascend_adapters.common import kernels as _shared  # noqa: F401  (registers the shared ops the model calls)
 
 
 @dispatch.portable("glm_dsa.cache_write")
@@ -87,6 +68,15 @@ def cache_rows_portable(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tenso
     """Rows at ``slots [...]`` (any shape, all valid slot ids) of ``cache [B, N, C]``: ``[..., C]``."""
     flat = cache.view(-1, cache.shape[-1])
     return flat.index_select(0, slots.reshape(-1).to(torch.long)).view(*slots.shape, cache.shape[-1])
+
+
+@dispatch.npu("glm_dsa.cache_rows")
+def cache_rows_npu(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``npu_gather_sparse_index``: y[i, :] = x[idx[i], :] (npu_gather_sparse_index.md 功能说明)."""
+    import torch_npu
+
+    flat = cache.view(-1, cache.shape[-1])
+    return torch_npu.npu_gather_sparse_index(flat, slots.to(torch.long))
 
 
 @dispatch.portable("glm_dsa.indexer_topk")

@@ -91,7 +91,7 @@ def _indexer_types(config) -> list[str]:
 
 
 class GlmDsaRotary(nn.Module):
-    """cos/sin from vLLM's rope cache (default and YaRN), applied by the ``glm_dsa.rope`` op.
+    """cos/sin from vLLM's rope cache (default and YaRN), applied by common's ``common.rope_interleaved`` op.
 
     vLLM's CPU rotary custom op is wrong for 3-D multi-head inputs in eager
     mode, so the rotation itself goes through the dispatch layer.
@@ -146,7 +146,7 @@ class GlmDsaIndexer(nn.Module):
 
     def project(self, hidden_states, q_c, cos, sin):
         t = hidden_states.shape[0]
-        rope = dispatch.op("glm_dsa.rope")
+        rope = dispatch.op("common.rope_interleaved")
         q = self.wq_b(q_c)[0].view(t, self.n_heads, self.head_dim)
         k = self.wk(hidden_states)[0]
         k = nn.functional.layer_norm(
@@ -266,7 +266,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         self, positions: torch.Tensor, hidden_states: torch.Tensor, prev_selection: list[torch.Tensor] | None
     ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
         t = hidden_states.shape[0]
-        rope = dispatch.op("glm_dsa.rope")
+        rope = dispatch.op("common.rope_interleaved")
         cos, sin = self.rotary.cos_sin(positions)
 
         q_c = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])

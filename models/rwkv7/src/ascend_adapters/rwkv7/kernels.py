@@ -23,6 +23,13 @@ where ``w`` is the per-key decay in (0, 1), ``a = -kk`` and ``b = kk * a_gate``
 
 The step and chunk functions are kernel ops of ``ascend_adapters.common.dispatch``
 (``rwkv7.wkv_step``, ``rwkv7.wkv_chunk``) so an NPU kernel can replace them.
+
+NPU twins: torch_npu documents no op for either hot op of RWKV-7.
+* WKV state update: ``npu_recurrent_gated_delta_rule`` / ``npu_chunk_gated_delta_rule`` take one
+  scalar decay per head and token (npu_chunk_gated_delta_rule.md 功能说明: alpha_t in R) and remove
+  along the written key (I - beta k k^T); RWKV-7 decays per key channel (diag(w_t)) with its own
+  a, b vectors, so neither op computes it.
+* Token shift (``model._token_shift``, the previous token's row per sequence): a row copy, no op.
 """
 
 from __future__ import annotations

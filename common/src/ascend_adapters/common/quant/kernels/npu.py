@@ -2,8 +2,9 @@
 
 Calls to the Ascend operators vllm-ascend uses for the same formats:
 ``npu_dynamic_quant`` / ``npu_quantize``, ``npu_quant_matmul``,
-``npu_grouped_matmul`` and ``npu_swiglu``. Weights are pre-transposed to
-``[K, N]`` (``[E, K, N]`` for experts) once after loading by ``pack_weight``.
+``npu_grouped_matmul`` and ``npu_swiglu`` / ``npu_clipped_swiglu`` (through
+common.kernels). Weights are pre-transposed to ``[K, N]`` (``[E, K, N]`` for
+experts) once after loading by ``pack_weight``.
 
 Each call keeps to the operator's documented contract (Ascend op-plugin,
 docs/zh/custom_APIs/torch_npu/*.md); the contracts are checked on CPU by the
@@ -26,6 +27,8 @@ from __future__ import annotations
 import torch
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common.kernels.activation import swiglu_npu
+from ascend_adapters.common.kernels.experts import sort_routes
 
 # npu_quant_matmul.md 约束说明: "x1与x2最后一维的shape大小不能超过65535"
 QMM_MAX_LAST_DIM = 65535
@@ -150,31 +153,24 @@ def w8a8_dynamic_moe(
     """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``."""
     import torch_npu
 
-    from ascend_adapters.common.quant.kernels.portable import local_routes
-
     if activation != "silu":
         raise ValueError(f"W8A8_DYNAMIC MoE on NPU: activation {activation!r} is not supported (silu)")
     T, H = x.shape
-    E, k = w13.shape[0], topk_ids.shape[-1]
+    E = w13.shape[0]
     if w13.shape[1] != H or w2.shape[2] != H:
         raise ValueError(f"W8A8_DYNAMIC MoE on NPU: packed w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} for H={H}")
     # npu_grouped_matmul Table 2 (per-token): a bfloat16 scale gives bfloat16, a float32 scale float16;
     # there is no float32 output, so float32 activations run in bfloat16 and are cast back.
     cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     sdt = torch.bfloat16 if cdt == torch.bfloat16 else torch.float32
-    local = local_routes(topk_ids.reshape(T, k), E, expert_map).reshape(-1)
-    tok = torch.arange(T, device=x.device).repeat_interleave(k)
-    wts = topk_weights.reshape(-1).float()
-    keep = local >= 0
-    local, tok, wts = local[keep], tok[keep], wts[keep]
+    routes = sort_routes(topk_weights, topk_ids, E, expert_map)
+    tok, wts = routes.tokens, routes.weights
     out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    if local.numel() == 0:
+    if tok.numel() == 0:
         return out.to(x.dtype)
-    order = torch.argsort(local, stable=True)
-    local, tok, wts = local[order], tok[order], wts[order]
     # group_list_type 0 (cumulative counts): valid for any number of local experts; type 1 (counts)
     # "may not have length 1" (npu_grouped_matmul.md 参数说明 group_list), i.e. one local expert.
-    group_list = torch.cumsum(torch.bincount(local, minlength=E), 0).to(torch.int64)
+    group_list = torch.cumsum(routes.counts, 0).to(torch.int64)
     rows = x[tok].to(cdt)
     if apply_router_weight_on_input:
         rows = (rows.float() * wts[:, None]).to(cdt)
@@ -194,11 +190,7 @@ def w8a8_dynamic_moe(
 
     xq, s = torch_npu.npu_dynamic_quant(rows)
     h = gmm(xq, s, w13, w13_scale)
-    if swiglu_limit is not None and swiglu_limit > 0:
-        gate, up = h.chunk(2, dim=-1)  # clamped SwiGLU: no fused NPU op, plain torch between the matmuls
-        h = (torch.nn.functional.silu(gate.clamp(max=swiglu_limit)) * up.clamp(-swiglu_limit, swiglu_limit)).to(h.dtype)
-    else:
-        h = torch_npu.npu_swiglu(h)
+    h = swiglu_npu(h, swiglu_limit)  # npu_swiglu, or npu_clipped_swiglu with the limit
     hq, hs = torch_npu.npu_dynamic_quant(h)
     o = gmm(hq, hs, w2, w2_scale).float()
     if not apply_router_weight_on_input:

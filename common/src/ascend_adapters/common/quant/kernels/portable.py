@@ -28,6 +28,8 @@ from __future__ import annotations
 import torch
 
 from ascend_adapters.common import dispatch
+from ascend_adapters.common.kernels.activation import clamps, swiglu
+from ascend_adapters.common.kernels.experts import grouped_experts, local_routes  # noqa: F401  (local_routes: re-export)
 
 _INT_MM_OK: bool | None = None
 
@@ -188,31 +190,14 @@ def w8a8_static_linear(
 
 
 def _act(name: str, h: torch.Tensor, swiglu_limit: float | None = None) -> torch.Tensor:
-    gate, up = h.chunk(2, dim=-1)
-    if swiglu_limit is not None and swiglu_limit > 0:
-        if name != "silu":
-            raise ValueError(f"W8A8_DYNAMIC MoE: swiglu_limit needs activation 'silu', got {name!r}")
-        # clamped SwiGLU (DeepSeek-V4, gpt-oss style): gate capped above, up clamped both ways
-        gate = gate.clamp(max=swiglu_limit)
-        up = up.clamp(min=-swiglu_limit, max=swiglu_limit)
     if name == "silu":
-        return torch.nn.functional.silu(gate) * up
+        return swiglu(h, swiglu_limit)
+    if clamps(swiglu_limit):
+        raise ValueError(f"W8A8_DYNAMIC MoE: swiglu_limit needs activation 'silu', got {name!r}")
     if name == "gelu":
+        gate, up = h.chunk(2, dim=-1)
         return torch.nn.functional.gelu(gate) * up
     raise ValueError(f"W8A8_DYNAMIC MoE: activation {name!r} is not supported (silu, gelu)")
-
-
-def local_routes(topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None) -> torch.Tensor:
-    """Global expert ids -> local expert ids; -1 for negative routes and experts not on this rank."""
-    ids = topk_ids.long()
-    valid = ids >= 0
-    if expert_map is not None:
-        safe = torch.where(valid, ids, torch.zeros_like(ids)).clamp_(max=expert_map.numel() - 1)
-        local = expert_map.long()[safe]
-        local = torch.where(valid & (ids < expert_map.numel()), local, torch.full_like(local, -1))
-    else:
-        local = torch.where(valid & (ids < num_local_experts), ids, torch.full_like(ids, -1))
-    return local
 
 
 @dispatch.portable("modelslim.w8a8_dynamic_moe")
@@ -238,35 +223,19 @@ def w8a8_dynamic_moe(
     the router-weighted sum over the local experts (the caller reduces across ranks).
     ``swiglu_limit`` (> 0) clamps the SwiGLU inputs: gate <= limit, -limit <= up <= limit.
     """
-    T, H = x.shape
-    E = w13.shape[0]
-    k = topk_ids.shape[-1]
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    if T == 0:
-        return out.to(x.dtype)
-    local = local_routes(topk_ids.reshape(T, k), E, expert_map).reshape(-1)
-    tok = torch.arange(T, device=x.device).repeat_interleave(k)
-    wts = topk_weights.reshape(-1).float()
-    keep = local >= 0
-    local, tok, wts = local[keep], tok[keep], wts[keep]
-    if local.numel() == 0:
-        return out.to(x.dtype)
-    order = torch.argsort(local, stable=True)
-    local, tok, wts = local[order], tok[order], wts[order]
-    counts = torch.bincount(local, minlength=E).tolist()
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        t_e, w_e = tok[start : start + n], wts[start : start + n]
-        start += n
-        rows = x[t_e]
-        if apply_router_weight_on_input:
-            rows = (rows.float() * w_e[:, None]).to(x.dtype)
+
+    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
         h = w8a8_dynamic_linear(rows, w13[e], w13_scale[e].reshape(-1))
         a = _act(activation, h.float(), swiglu_limit).to(x.dtype)
-        o = w8a8_dynamic_linear(a, w2[e], w2_scale[e].reshape(-1)).float()
-        if not apply_router_weight_on_input:
-            o = o * w_e[:, None]
-        out.index_add_(0, t_e, o)
-    return out.to(x.dtype)
+        return w8a8_dynamic_linear(a, w2[e], w2_scale[e].reshape(-1))
+
+    return grouped_experts(
+        x,
+        topk_weights,
+        topk_ids,
+        expert,
+        num_experts=w13.shape[0],
+        expert_map=expert_map,
+        weight_on_input=apply_router_weight_on_input,
+        acc_dtype=torch.float32,
+    )

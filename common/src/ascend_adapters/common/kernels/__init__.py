@@ -1,0 +1,17 @@
+"""Kernels the adapters share, behind ``ascend_adapters.common.dispatch``.
+
+Each module holds a plain reference (the formula written out, for tests), the fast portable form
+registered with ``dispatch.portable`` and, where torch_npu documents an operator for it, the NPU twin
+registered with ``dispatch.npu`` (torch_npu imported inside the function only). Importing this
+package registers:
+
+* ``common.swiglu`` (``activation``): SwiGLU on ``[gate | up]``, optionally clamped (DeepSeek-V4);
+* ``common.swiglu_experts`` (``experts``): routed float experts with that SwiGLU, grouped by expert;
+  ``experts.grouped_experts`` is the per-expert loop every MoE kernel here runs (the float op and
+  ModelSlim's W8A8 experts);
+* ``common.rope_interleaved`` (``rope``): interleaved ("GPT-J") RoPE on the trailing channels.
+"""
+
+from ascend_adapters.common.kernels import activation, experts, rope  # noqa: F401
+
+OPS = ("common.swiglu", "common.swiglu_experts", "common.rope_interleaved")

@@ -1,0 +1,141 @@
+"""common.kernels against their plain references (engine-free).
+
+Bounds, with u the unit roundoff of the dtype computed in (2**-24 float32, 2**-8 bfloat16):
+
+* ``common.swiglu``: silu(g) * u evaluated in float32 is two correctly rounded ops plus torch's
+  silu (x * sigmoid(x): an exp, an add, a division and a product, each within u of its exact value),
+  so |y - ref| <= 8u |ref| + the float32 rounding of |y| near zero (2**-126 is far below it; 1e-30
+  covers exact zeros). The clamps are exact.
+* ``common.rope_interleaved``: each output is a cos - b sin from two products and one sum in float32
+  (3u relative to |a cos| + |b sin|) and one rounding to x's dtype (u |y|).
+* ``common.swiglu_experts``: the portable form sums in x's dtype; the reference is float64. Each
+  route's term is two matmuls of depth K (|error| <= K u |a| |b| for a dot product of length K, the
+  classic bound), the SwiGLU (8u) and the weight product (u); the sum over k routes adds k u. The
+  test bounds the normwise error by (2 max(H, I) + 8 + 2 + k) u, the first-order sum of these.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from ascend_adapters.common import dispatch  # noqa: E402
+from ascend_adapters.common.kernels import activation, experts, rope  # noqa: E402
+
+U = {torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8}
+
+
+def _g(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.mark.parametrize("limit", [None, 0.0, 1.5])
+def test_swiglu_matches_the_formula(limit):
+    h = torch.randn(7, 2, 64, generator=_g(1)) * 4
+    y = dispatch.op("common.swiglu")(h, limit)
+    ref = activation.swiglu_reference(h, limit)
+    assert y.shape == (7, 2, 32) and y.dtype == h.dtype
+    assert ((y.double() - ref).abs() <= 8 * U[torch.float32] * ref.abs() + 1e-30).all()
+    if limit:
+        gate, up = h.chunk(2, dim=-1)
+        # the clamps act: where gate > limit, y = silu(limit) * clamp(up); check one such element exists
+        assert bool((gate > limit).any()) and bool((up.abs() > limit).any())
+
+
+def test_swiglu_limit_none_and_zero_are_the_plain_swiglu():
+    h = torch.randn(5, 16, generator=_g(2)) * 9
+    gate, up = h.chunk(2, dim=-1)
+    plain = torch.nn.functional.silu(gate) * up
+    assert torch.equal(dispatch.op("common.swiglu")(h, None), plain)
+    assert torch.equal(dispatch.op("common.swiglu")(h, 0.0), plain)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(6, 4, 32), (6, 32), (6, 3, 48)], ids=["full", "2d", "trailing"])
+def test_rope_interleaved_matches_the_complex_product(dtype, shape):
+    g = _g(3)
+    rd = 32
+    x = torch.randn(*shape, generator=g).to(dtype)
+    ang = torch.rand(shape[0], rd // 2, generator=g) * 6.28
+    cos, sin = ang.cos(), ang.sin()
+    y = dispatch.op("common.rope_interleaved")(x, cos, sin)
+    ref = rope.rope_interleaved_reference(x, cos, sin)
+    assert y.shape == x.shape and y.dtype == dtype
+    # the leading (nope) channels pass through unchanged
+    assert torch.equal(y[..., :-rd], x[..., :-rd])
+    a, b = x.double()[..., -rd:][..., 0::2], x.double()[..., -rd:][..., 1::2]
+    pair = (a.abs() + b.abs()).repeat_interleave(2, -1)
+    bound = 3 * U[torch.float32] * pair + U[dtype] * ref[..., -rd:].abs() + 1e-30
+    assert ((y[..., -rd:].double() - ref[..., -rd:]).abs() <= bound).all()
+
+
+def test_rope_inverse_undoes_rope():
+    x = torch.randn(5, 2, 16, generator=_g(4))
+    ang = torch.rand(5, 8, generator=_g(5)) * 6.28
+    op = dispatch.op("common.rope_interleaved")
+    back = op(op(x, ang.cos(), ang.sin()), ang.cos(), -ang.sin())
+    # two rotations, each within 3u relative per pair (see the bound above), and cos^2 + sin^2 = 1
+    # within 2u: |back - x| <= 8u (|a| + |b|) per element
+    pair = (x[..., 0::2].abs() + x[..., 1::2].abs()).repeat_interleave(2, -1)
+    assert ((back - x).abs() <= 8 * U[torch.float32] * pair).all()
+
+
+def _moe_case(seed, e=5, h=32, i=24, t=11, k=2, dtype=torch.float32):
+    g = _g(seed)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    wts = torch.rand(t, k, generator=g)
+    return x, w13, w2, wts, ids
+
+
+def _moe_bound(dtype, h, i, k):
+    return (2 * max(h, i) + 8 + 2 + k) * U[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("limit", [None, 1.0])
+def test_swiglu_experts_match_the_route_by_route_reference(dtype, limit):
+    x, w13, w2, wts, ids = _moe_case(6, dtype=dtype)
+    y = dispatch.op("common.swiglu_experts")(x, w13, w2, wts, ids, limit=limit)
+    ref = experts.grouped_experts_reference(x, wts, ids, experts.swiglu_expert_reference(w13, w2, limit))
+    assert y.dtype == dtype and y.shape == x.shape
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel <= _moe_bound(dtype, 32, 24, 2), rel
+
+
+def test_swiglu_experts_honour_expert_map_and_negative_routes():
+    x, w13, w2, wts, ids = _moe_case(7, e=6)
+    ids[0, 0] = -1  # no route
+    # this rank holds global experts 1, 3 and 4 as local 0, 1, 2
+    emap = torch.full((6,), -1, dtype=torch.long)
+    emap[torch.tensor([1, 3, 4])] = torch.arange(3)
+    local_w13, local_w2 = w13[[1, 3, 4]], w2[[1, 3, 4]]
+    y = dispatch.op("common.swiglu_experts")(x, local_w13, local_w2, wts, ids, expert_map=emap, limit=None)
+    ref = experts.grouped_experts_reference(
+        x, wts, ids, experts.swiglu_expert_reference(local_w13, local_w2, None), expert_map=emap
+    )
+    assert ((y.double() - ref).norm() / ref.norm()).item() <= _moe_bound(torch.float32, 32, 24, 2)
+    # tokens whose routes all lead to other ranks get exactly zero
+    elsewhere = ~torch.isin(ids, torch.tensor([1, 3, 4])).any(dim=1)
+    assert bool(elsewhere.any()) and torch.equal(y[elsewhere], torch.zeros_like(y[elsewhere]))
+
+
+def test_grouped_experts_weight_on_input_and_empty():
+    x, w13, w2, wts, ids = _moe_case(8, k=1)
+
+    def linear_expert(e, rows):  # linear in the input: weighting before or after is the same map
+        return rows @ w13[e, : x.shape[1]].t()
+
+    on_in = experts.grouped_experts(x, wts, ids, linear_expert, num_experts=5, weight_on_input=True)
+    after = experts.grouped_experts(x, wts, ids, linear_expert, num_experts=5, acc_dtype=torch.float32)
+    # each side is one float32 dot product of length H per element (error <= H u sum |x||w|, the
+    # classic bound) plus the weight product and the cast (2u): the two differ by at most twice that
+    h = x.shape[1]
+    w_abs = w13[:, :h].abs().amax(dim=0)
+    bound = 2 * (h + 2) * U[torch.float32] * (x.abs() @ w_abs.t()) * wts.abs().amax() + 1e-30
+    assert ((on_in - after).abs() <= bound).all()
+    empty = experts.grouped_experts(x[:0], wts[:0], ids[:0], linear_expert, num_experts=5)
+    assert empty.shape == (0, x.shape[1])
