@@ -4,7 +4,7 @@ Valid artifacts:
 - ``float_single``: the tiny float Llama of the common factory (one shard);
 - ``float_sharded``: the same weights in several shards plus an index;
 - ``modelslim_dynamic`` / ``modelslim_static``: a ModelSlim-format W8A8 export
-  of that tiny Llama written here, following REFERENCE §2/§8 (description with
+  of that tiny Llama written here, following docs/references.md#modelslim-export-files (description with
   companions described, ``quant_model_weights-0000N-of-0000M.safetensors`` +
   index). Real msmodelslim exports are exercised in test_admission.py when
   msmodelslim is installed.

@@ -1,4 +1,4 @@
-"""ModelSlim W8A8 portable kernels against the documented equations (REFERENCE §2).
+"""ModelSlim W8A8 portable kernels against the documented equations (docs/references.md#modelslim-w8a8-math).
 
 The integer accumulator must agree exactly; the float output is compared with the
 equation evaluated independently in float64.

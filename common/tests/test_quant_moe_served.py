@@ -1,6 +1,6 @@
 """Per-expert W8A8_DYNAMIC MoE export (our documented-math exporter) served by vLLM's own Qwen3MoeForCausalLM.
 
-msmodelslim cannot quantize the routed experts of a tiny MoE model faithfully (REFERENCE §8), so
+msmodelslim cannot quantize the routed experts of a tiny MoE model faithfully (docs/references.md#msmodelslim-tiny-moe), so
 ``testing.modelslim.export_w8a8`` writes the documented per-expert layout. vLLM's fused-MoE layer
 then runs the ``modelslim`` MoE method (routing, expert grouping, zero-token experts). Reference:
 transformers' Qwen3-MoE with the export's tensors, attention linears and every expert applied in

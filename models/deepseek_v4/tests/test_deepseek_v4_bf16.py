@@ -5,7 +5,7 @@ on exactly the token ids vLLM saw, every prompt position and generated step comp
 
 The reference in bfloat16: ``from_pretrained(dtype=bfloat16)`` keeps the modules the model declares
 float32 (norms, mHC, sinks, biases) and its CPU path then feeds a float32 norm output into a
-bfloat16 linear (dtype mismatch, the failure REFERENCE recorded); ``torch.autocast("cpu",
+bfloat16 linear (dtype mismatch, a failure seen here); ``torch.autocast("cpu",
 bfloat16)`` supplies the bfloat16 cast at those linear inputs, nothing else changes.
 
 Bound, from bfloat16 rounding (u = 2^-8): both sides compute the same function from the same

@@ -7,7 +7,7 @@
 * EP=2 (``--enable-expert-parallel``): each rank holds half of the routed experts. Run through a
   ModelSlim W8A8_DYNAMIC export of the routed experts (common's MoE kernel under ``expert_map``)
   and through the float checkpoint (this adapter's clamped-SwiGLU kernel under ``expert_map``).
-  vLLM's own CPU fused-MoE kernel segfaults under expert parallelism (REFERENCE §10), but neither
+  vLLM's own CPU fused-MoE kernel segfaults under expert parallelism (docs/references.md#vllm-cpu-moe-ep), but neither
   path here uses it: vLLM's CPU float kernel ignores ``swiglu_limit``, so DeepSeek-V4 never runs on it.
 
 Bound: 1e-3 as in the TP=1 parity gate. Splitting a sum over ranks only reorders float32 additions

@@ -3,8 +3,8 @@
 The export comes from common's exporter (``testing.modelslim.export_w8a8``: the documented per-linear
 layout and math, per-expert ``experts.E.w1/w2/w3`` int8 + ``weight_scale``/``weight_offset``), because
 msmodelslim's DeepSeek-V4 adapter builds a full-size model and its default adapter does not export
-routed experts (REFERENCE §8). The export keeps what published DeepSeek-V4 ModelSlim exports carry
-(REFERENCE §9): native names without a ``model.`` prefix, ``wo_a`` and ``hc_*`` labelled FLOAT, and
+routed experts (docs/references.md#msmodelslim-tiny-moe). The export keeps what published DeepSeek-V4 ModelSlim exports carry
+(docs/references.md#deepseek-v4-names): native names without a ``model.`` prefix, ``wo_a`` and ``hc_*`` labelled FLOAT, and
 ``mtp.*`` tensors with description entries (one of them quantized), which the model must skip. Compared with
 
 * a plain-torch reference using the same int8 weights and per-token activation quantization
@@ -87,7 +87,7 @@ def test_w8a8_dynamic_export_parity(tmp_path, evidence_root):
     rec.skip(
         "msmodelslim export of DeepSeek-V4",
         "its DeepSeek-V4 adapter builds the full-size model; the default "
-        "adapter leaves routed experts in float under fused names (REFERENCE §8)",
+        "adapter leaves routed experts in float under fused names (docs/references.md#msmodelslim-tiny-moe)",
     )
     rec.skip("W8A8 static (per-tensor activation) layers", "not exercised for DeepSeek-V4 here")
     rec.write(evidence_root)

@@ -66,7 +66,7 @@ class Reference:
 
     def topk_boundary_gap(self, ids: list[int]) -> float:
         """Smallest gap between the k-th and (k+1)-th indexer score over all queries and full layers
-        that have more than index_topk causal keys (REFERENCE §8: a reference is only meaningful
+        that have more than index_topk causal keys (docs/references.md#dsa-indexer-ties: a reference is only meaningful
         without ties)."""
         captured = []
         hooks = []

@@ -1,11 +1,11 @@
 """ModelSlim W8A8 export of a tiny GLM-DSA checkpoint and its plain-torch reference.
 
 msmodelslim cannot produce this layout from a tiny GLM-DSA (its GLM-5 adapter builds the full-size
-model; its default adapter leaves routed experts float under transformers' fused names, REFERENCE §8),
+model; its default adapter leaves routed experts float under transformers' fused names, docs/references.md#msmodelslim-tiny-moe),
 so the export is written by common's documented-math exporter (``testing.modelslim.export_w8a8``):
 static W8A8 attention linears except ``kv_b_proj`` (per-tensor activation ranges calibrated with
 forward hooks on the transformers model), W8A8_DYNAMIC routed (per expert) and shared experts, FLOAT
-elsewhere. ``kv_b_proj`` stays FLOAT as in the released GLM-5.1 W8A8 export (REFERENCE §9): the adapter
+elsewhere. ``kv_b_proj`` stays FLOAT as in the released GLM-5.1 W8A8 export (docs/references.md#glm51-w8a8-layout): the adapter
 attends in the latent space and folds that weight into the query and the output.
 """
 

@@ -11,7 +11,7 @@ from ascend_adapters.common import dispatch
 from ascend_adapters.glm_dsa import kernels
 from ascend_adapters.glm_dsa.backend import context_slots
 
-R, NOPE, P, V = 512, 192, 64, 256  # GLM-5 (REFERENCE §9)
+R, NOPE, P, V = 512, 192, 64, 256  # GLM-5 (docs/references.md#glm5-shape)
 
 
 def _case(h=4, length=300, t=5, seed=0, dtype=torch.float64):

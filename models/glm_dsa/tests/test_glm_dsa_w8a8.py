@@ -53,7 +53,7 @@ def test_w8a8_export_parity(tmp_path, evidence_root):
     rec.check("the quantization is really applied (float model differs 10x more)", ok_rel)
     rec.notes.append(
         "export written by ascend_adapters.testing.modelslim.export_w8a8 (documented math), "
-        "not msmodelslim: msmodelslim cannot quantize a tiny GLM-DSA faithfully (REFERENCE §8)"
+        "not msmodelslim: msmodelslim cannot quantize a tiny GLM-DSA faithfully (docs/references.md#msmodelslim-tiny-moe)"
     )
     rec.notes.append("quantization selected with quantization='modelslim' (explicit)")
     rec.write(evidence_root)

@@ -11,7 +11,7 @@ Two producers:
   The executable is ``$ASCEND_ADAPTERS_MSMODELSLIM``, else ``msmodelslim``
   next to the running Python, else on PATH (``msmodelslim_executable()``).
 * ``export_w8a8(src_dir, out_dir, plan)``: our own exporter following the
-  documented layout and math (REFERENCE §2), for layouts msmodelslim cannot
+  documented layout and math (docs/references.md#modelslim-w8a8-layout), for layouts msmodelslim cannot
   produce from tiny models, above all per-expert MoE W8A8_DYNAMIC
   (``...experts.{e}.gate_proj/up_proj/down_proj.weight`` int8 +
   ``weight_scale``/``weight_offset``). ``plan`` maps linear names or fnmatch
@@ -384,7 +384,7 @@ def effective_float_weight(tensors: Mapping, description: Mapping, prefix: str):
 
 
 class ReferenceLinear:
-    """One exported linear in plain torch, written from the documented equations (REFERENCE §2).
+    """One exported linear in plain torch, written from the documented equations (docs/references.md#modelslim-w8a8-math).
 
     Independent of ascend_adapters.common.quant: activation quantization in float32, the integer
     product as an exact float64 matmul of the int8 values.

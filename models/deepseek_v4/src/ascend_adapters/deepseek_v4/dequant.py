@@ -1,6 +1,6 @@
 """DeepSeek-V4's own release format (``quantization_config.quant_method: fp8``), dequantized at load.
 
-As published (REFERENCE §9), a weight ``X.weight`` that carries ``X.scale`` is one of:
+As published (docs/references.md#deepseek-v4-fp8-fp4), a weight ``X.weight`` that carries ``X.scale`` is one of:
 
 * FP8 block-scaled (attention and shared-expert linears): ``X.weight`` F8_E4M3 ``[out, in]``,
   ``X.scale`` F8_E8M0 ``[ceil(out/B0), ceil(in/B1)]`` with ``[B0, B1] = weight_block_size``

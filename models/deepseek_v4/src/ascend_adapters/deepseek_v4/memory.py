@@ -103,7 +103,7 @@ def concurrency(config, max_model_len: int, device_bytes: int, tp: int, ep: int,
 
 
 def flash_config():
-    """DeepSeek-V4-Flash's published shape (REFERENCE §9) as transformers' config.
+    """DeepSeek-V4-Flash's published shape (docs/references.md#deepseek-v4-shape) as transformers' config.
 
     The vocabulary is not in that summary; 129280 (DeepSeek-V3's) is assumed, ~1 GB of 284 B.
     """

@@ -35,7 +35,7 @@ W8A8_PLAN = {
 # Small enough for a 2-core CPU, big enough that every branch is exercised:
 # layer 0 sliding-only, 1 CSA (rate 4, indexer top-4), 2 HCA (rate 16), 3 CSA;
 # hash-routed MoE in the first layer; window 16 so 100+ token prompts are many
-# windows long. 16 indexer heads avoid score ties (REFERENCE §8).
+# windows long. 16 indexer heads avoid score ties (docs/references.md#dsa-indexer-ties).
 TINY_CONFIG: dict = {
     "vocab_size": 512,
     "hidden_size": 128,

@@ -1,7 +1,7 @@
 """Tiny GLM-5.x DSA checkpoints saved by transformers itself (tests, demo, bench).
 
 Head sizes are CPU-friendly (qk head 64 = 48 nope + 16 rope, v head 64) and the
-indexer has 16 heads so the top-k boundary has no ties (REFERENCE §8).
+indexer has 16 heads so the top-k boundary has no ties (docs/references.md#dsa-indexer-ties).
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ The integer part is exact: int8 x int8 products are accumulated in int32
 blocks of at most 1024 along K, each exact because every partial sum is an
 integer of magnitude <= 1024 * 128 * 128 = 2**24, summed in int32). No float64:
 Ascend devices have none. Rounding is round-half-to-even
-(``torch.round``). The equations are those of REFERENCE §2:
+(``torch.round``). The equations are those of docs/references.md#modelslim-w8a8-math:
 
     dynamic: s[t] = max|x[t]| / 127, xq = round(x / s), y = (xq @ W.T) * weight_scale[n] * s[t] (+ bias)
     static:  xq = clamp(round(x / input_scale + input_offset), -128, 127)
