@@ -43,10 +43,12 @@ def _record(model, root, **kw):
 def test_record_carries_source_digests_per_model_coverage(tmp_path):
     root = tmp_path / "evidence"
     common = json.loads(_record("common-quant", root).read_text())
-    assert set(common["sources"]) == {"common"}
+    # this checkout, with the test layer installed: the tests and benches that made a record are covered too
+    assert set(common["sources"]) == {"common", "testing", "tree:common/tests", "tree:common/bench"}
     assert common["sources"]["common"]["files"] > 10 and len(common["sources"]["common"]["sha256"]) == 64
     rwkv = json.loads(_record("rwkv7", root).read_text())
-    assert set(rwkv["sources"]) == {"common", "rwkv7"} and rwkv["sources"]["rwkv7"] is not None
+    assert set(rwkv["sources"]) == {"common", "rwkv7", "testing", "tree:models/rwkv7/tests", "tree:models/rwkv7/bench"}
+    assert all(rwkv["sources"][k] is not None for k in rwkv["sources"])
     assert rwkv["sources"]["common"] == common["sources"]["common"]
     load = common["platform"]["loadavg"]
     assert len(load) == 3 and all(x >= 0 for x in load)
@@ -100,4 +102,31 @@ def test_bench_run_writes_ratio_record_with_load(tmp_path):
     assert rec["gate"] == "bench-unit" and rec["passed"]
     assert rec["metrics"]["ratios"]["x"] == {"ratio": 4.0, "ours_s": 0.5, "peer_s": 2.0, "peer": "peer"}
     assert rec["extra"]["load"]["cpu_count"] == os.cpu_count() and len(rec["extra"]["load"]["end"]) == 3
+    assert set(rec["sources"]) == {"common", "testing", "tree:common/tests", "tree:common/bench"}
+
+
+def test_a_changed_test_or_bench_script_makes_the_record_stale(tmp_path, monkeypatch):
+    """The tests and benches that judged a record are covered: editing a bound there makes it stale."""
+    checkout = tmp_path / "checkout"
+    (checkout / "models" / "rwkv7" / "tests").mkdir(parents=True)
+    (checkout / "models" / "rwkv7" / "bench").mkdir()
+    test_file = checkout / "models" / "rwkv7" / "tests" / "test_x.py"
+    test_file.write_text("TOL = 1e-3\n")
+    (checkout / "models" / "rwkv7" / "bench" / "bench_x.py").write_text("TARGET = 1.5\n")
+    monkeypatch.setattr(ev, "repo_root", lambda: checkout)
+    root = tmp_path / "evidence"
+    path = _record("rwkv7", root)
+    assert ev.check_fresh(root) == []
+    test_file.write_text("TOL = 1e-1\n")
+    problems = ev.check_fresh(root)
+    assert len(problems) == 1 and str(path) in problems[0] and "models/rwkv7/tests" in problems[0]
+    test_file.write_text("TOL = 1e-3\n")
+    (checkout / "models" / "rwkv7" / "bench" / "bench_x.py").write_text("TARGET = 1.0\n")
+    assert "models/rwkv7/bench" in ev.check_fresh(root)[0]
+
+
+def test_without_the_test_layer_a_record_certifies_the_packages_alone(tmp_path, monkeypatch):
+    """A deployment gate on a user's install (no checkout, no ascend-adapters-testing): common alone."""
+    monkeypatch.setattr(ev, "repo_root", lambda: None)
+    rec = json.loads(_record("my-glm5", tmp_path).read_text())
     assert set(rec["sources"]) == {"common"}

@@ -200,26 +200,46 @@ def _release_key(release: str):
 
 # -- freshness: which sources a record certifies, and whether they changed since --------------------
 #
-# A record certifies the code that ran. It names that code by content: per covered
-# package, a sha256 over every file of the package directory (sorted relative paths,
-# each with the sha256 of its bytes; caches excluded), so the digest is the same in a
-# git checkout, an editable install and a wheel. Coverage per record model:
+# A record certifies the code that ran and the code that judged it. It names that code by
+# content: per covered package, a sha256 over every file of the package directory (sorted
+# relative paths, each with the sha256 of its bytes; caches excluded), so the digest is the
+# same in a git checkout, an editable install and a wheel. Coverage per record model:
 #
 #   rwkv7, glm_dsa, deepseek_v4  -> common + that adapter (the adapter runs on common)
+#                                   + the test layer + models/<model>/tests and bench
 #   anything else (common-quant, llama_probe, tiny_llama, common-admission, a
-#   deployment gate's model name)  -> common
+#   deployment gate's model name)  -> common + the test layer + common/tests and bench
 #
-# Tests are not covered: they are how a record was made, not what it certifies. A record
-# may name its coverage explicitly (EvidenceRecord.sources).
+# The test layer and the test/bench trees are covered where they exist (a source checkout with
+# ascend-adapters-testing installed): a record written there was made by them, and a changed
+# bound or reference must make it stale. A record written by the gate on a user's install
+# certifies common alone. A record may name its coverage explicitly (EvidenceRecord.sources).
+# A covered tree is named "tree:<path from the repository root>".
 
 ADAPTER_PACKAGES = ("rwkv7", "glm_dsa", "deepseek_v4")
+TREE = "tree:"
 _SKIP_DIRS = {"__pycache__"}
 _SKIP_SUFFIXES = (".pyc", ".pyo")
 
 
+def repo_root() -> Path | None:
+    """The source checkout common is installed from (editable), or None (a wheel install)."""
+    common = package_dir("common")
+    if common is None:
+        return None
+    root = common.parents[3]  # <root>/common/src/ascend_adapters/common
+    return root if (root / "noxfile.py").is_file() else None
+
+
 def model_sources(model: str) -> tuple[str, ...]:
-    """Packages (``ascend_adapters.<name>``) whose sources a record of ``model`` certifies."""
-    return ("common", model) if model in ADAPTER_PACKAGES else ("common",)
+    """What a record of ``model`` certifies: packages (``ascend_adapters.<name>``) and ``tree:`` paths."""
+    packages = ("common", model) if model in ADAPTER_PACKAGES else ("common",)
+    root = repo_root()
+    if root is None or package_dir("testing") is None:
+        return packages
+    base = f"models/{model}" if model in ADAPTER_PACKAGES else "common"
+    trees = tuple(f"{TREE}{base}/{d}" for d in ("tests", "bench") if (root / base / d).is_dir())
+    return (*packages, "testing", *trees)
 
 
 def package_dir(package: str) -> Path | None:
@@ -236,10 +256,15 @@ def package_dir(package: str) -> Path | None:
 
 
 def package_digest(package: str) -> dict | None:
-    """``{"sha256", "files"}`` over the package directory's files; None when it is not installed."""
+    """``{"sha256", "files"}`` over the package directory's files (or, for ``tree:<path>``, that
+    directory of the checkout); None when it is not here."""
     import hashlib
 
-    root = package_dir(package)
+    if package.startswith(TREE):
+        checkout = repo_root()
+        root = checkout / package[len(TREE) :] if checkout is not None else None
+    else:
+        root = package_dir(package)
     if root is None or not root.is_dir():
         return None
     files = []
@@ -299,12 +324,18 @@ def check_fresh(root: str | os.PathLike) -> list[str]:
         if state == "unhashed":
             problems.append(f"{path}: no source digest (written before records carried one); rerun its gate")
         elif state == "stale":
-            what = ", ".join(f"ascend_adapters.{p} ({package_dir(p) or 'not installed'})" for p in changed)
+            what = ", ".join(_describe_source(p) for p in changed)
             problems.append(
                 f"{path}: stale: sources changed since it was written at {rec.get('git_revision')}: {what}; "
                 f"rerun `nox -s evidence` (or its gate)"
             )
     return problems
+
+
+def _describe_source(key: str) -> str:
+    if key.startswith(TREE):
+        return key[len(TREE) :]
+    return f"ascend_adapters.{key} ({package_dir(key) or 'not installed'})"
 
 
 def freshness_label(rec: dict, current: dict | None = None) -> str:
