@@ -290,6 +290,16 @@ def test_registration_switch(monkeypatch):
         serves()
 
 
+def test_speculative_decoding_is_refused_in_one_line():
+    """vLLM would otherwise build its own DeepSeek-V3.2 MTP drafter around the checkpoint and crash later."""
+    from types import SimpleNamespace
+
+    from ascend_adapters.glm_dsa.policy import check_startup
+
+    with pytest.raises(GlmDsaConfigError, match=r"speculative decoding is not supported .*--speculative-config"):
+        check_startup(SimpleNamespace(speculative_config=object(), model_config=None))
+
+
 def test_startup_policy_wraps_vllms_hook(monkeypatch):
     """register() keeps vLLM's own hook for GlmMoeDsaForCausalLM (where it has one), then our checks."""
     from vllm.model_executor.models import config as vllm_models_config

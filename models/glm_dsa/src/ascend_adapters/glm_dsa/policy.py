@@ -2,9 +2,11 @@
 
 Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
 config hook for ``GlmMoeDsaForCausalLM``, over vLLM's own class for it: vLLM's
-checks run first, then ``check_startup``: the checkpoint's ``index_topk`` is
-present in config.json, and an attention path exists for ``max_model_len``
-(fails closed when the sparse path is disabled).
+checks run first, then ``check_startup``: no speculative decoding (vLLM would
+build its own DeepSeek-V3.2 MTP drafter around this checkpoint, which cannot run
+beside the adapter's attention), the checkpoint's ``index_topk`` is present in
+config.json, and an attention path exists for ``max_model_len`` (fails closed
+when the sparse path is disabled).
 """
 
 from __future__ import annotations
@@ -13,8 +15,18 @@ ARCH = "GlmMoeDsaForCausalLM"
 
 
 def check_startup(vllm_config) -> None:
-    from ascend_adapters.glm_dsa.config import check_raw_config, choose_attention_mode, raw_config_dict
+    from ascend_adapters.glm_dsa.config import (
+        GlmDsaConfigError,
+        check_raw_config,
+        choose_attention_mode,
+        raw_config_dict,
+    )
 
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise GlmDsaConfigError(
+            f"{ARCH} (ascend-adapters): speculative decoding is not supported by this adapter yet "
+            "(its MTP layer is not served); serve without --speculative-config"
+        )
     mc = vllm_config.model_config
     check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
     choose_attention_mode(mc.hf_text_config, mc.max_model_len)
