@@ -3,8 +3,9 @@
 vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration of the model, plus the config class
 (``model_type: rwkv7``), the World tokenizer class and the start-up policy
-(``policy.py``: state-cache sizing; refusing pipeline parallelism, speculative
-decoding and a head count that tensor parallelism cannot split).
+(``policy.py``: state-cache sizing; refusing speculative decoding, a head count
+that tensor parallelism cannot split, more pipeline stages than layers, and
+pipeline parallelism with enforce_eager on vLLM's CPU backend).
 """
 
 from __future__ import annotations

@@ -19,6 +19,12 @@ stored state when the prompt is continued by chunked prefill).
 Tensor parallelism splits the heads: each rank holds ``H / tp`` heads of every
 time-mix (and their ``[H / tp, N, N]`` WKV states) and a column slice of the
 channel-mix; the two row-parallel projections all-reduce.
+
+Pipeline parallelism splits the layers (vLLM's ``make_layers``): the first stage
+holds the embedding (and layer 0's ``pre_norm``), the last the final norm and the
+head, and each stage the state cache of its own layers only. A stage hands the
+next one the residual stream and ``v_first``, layer 0's value, which every later
+time-mix mixes in.
 """
 
 from __future__ import annotations
@@ -31,7 +37,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_world_size
+from vllm.distributed import (
+    get_pp_group,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+)
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.linear import ColumnParallelLinear, ReplicatedLinear, RowParallelLinear
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
@@ -39,9 +50,22 @@ from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.mamba.mamba_utils import get_temporal_copy_spec
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.model_loader.weight_utils import default_weight_loader, sharded_weight_loader
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching
-from vllm.model_executor.models.utils import WeightsMapper
+from vllm.model_executor.models.interfaces import (
+    HasInnerState,
+    IsAttentionFree,
+    SupportsMambaPrefixCaching,
+    SupportsPP,
+)
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    WeightsMapper,
+    extract_layer_index,
+    make_empty_intermediate_tensors_factory,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.model_executor.utils import set_weight_attrs
+from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import cpu_patches, dispatch
@@ -345,27 +369,63 @@ class Rwkv7Model(nn.Module):
         config = vllm_config.model_config.hf_config
         quant_config = vllm_config.quant_config
         self.config = config
-        self.embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, prefix=f"{prefix}.embeddings")
+        pp = get_pp_group()
+        if pp.is_first_rank:
+            self.embeddings = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embeddings")
+            )
+        else:
+            self.embeddings = PPMissingLayer()
         dtype = vllm_config.model_config.dtype
-        self.layers = nn.ModuleList(
-            Rwkv7Block(config, i, dtype, quant_config, prefix=f"{prefix}.layers.{i}")
-            for i in range(config.num_hidden_layers)
+        self.start_layer, self.end_layer, self.layers = make_layers(
+            config.num_hidden_layers,
+            lambda prefix: Rwkv7Block(config, extract_layer_index(prefix), dtype, quant_config, prefix=prefix),
+            prefix=maybe_prefix(prefix, "layers"),
         )
-        eps = config.ln_eps if hasattr(config, "ln_eps") else config.norm_eps
-        self.norm = nn.LayerNorm(config.hidden_size, eps=eps)
+        if pp.is_last_rank:
+            eps = config.ln_eps if hasattr(config, "ln_eps") else config.norm_eps
+            self.norm = nn.LayerNorm(config.hidden_size, eps=eps)
+        else:
+            self.norm = PPMissingLayer()
+        # v_first travels whole ([tokens, C]): vLLM sends each tensor between stages split across the
+        # tensor-parallel ranks and all-gathers it on arrival, so it must be the same on every rank
+        self.make_empty_intermediate_tensors = make_empty_intermediate_tensors_factory(
+            ["hidden_states", "v_first"], config.hidden_size
+        )
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings(input_ids)
 
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        v_first, batch_cache = None, {}
-        for layer in self.layers:
+        if get_pp_group().is_first_rank:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            v_first = None
+        else:
+            x = intermediate_tensors["hidden_states"]
+            v_first = _rank_channels(intermediate_tensors["v_first"])
+        batch_cache = {}
+        for layer in self.layers[self.start_layer : self.end_layer]:
             x, v_first = layer(x, v_first, batch_cache)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": x, "v_first": _all_channels(v_first)})
         return self.norm(x)
 
 
-class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaPrefixCaching):
+def _rank_channels(v_first: torch.Tensor) -> torch.Tensor:
+    """This tensor-parallel rank's channels (its heads' values) of a whole ``v_first``."""
+    tp = get_tensor_model_parallel_world_size()
+    if tp == 1:
+        return v_first
+    width = v_first.shape[-1] // tp
+    rank = get_tensor_model_parallel_rank()
+    return v_first[:, rank * width : (rank + 1) * width].contiguous()
+
+
+def _all_channels(v_first: torch.Tensor) -> torch.Tensor:
+    return v_first if get_tensor_model_parallel_world_size() == 1 else tensor_model_parallel_all_gather(v_first, -1)
+
+
+class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP, SupportsMambaPrefixCaching):
     """vLLM model class for ``RWKV7ForCausalLM`` checkpoints in the HF/fla layout.
 
     Prefix caching uses vLLM's "align" mode for recurrent state: the state cache has one
@@ -403,9 +463,13 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaP
         self.vllm_config = vllm_config
         if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
             cpu_patches.enable_cpu_mamba_state_copy()
-        self.model = Rwkv7Model(vllm_config=vllm_config, prefix=_join(prefix, "model"))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=_join(prefix, "lm_head"))
+        self.model = Rwkv7Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        else:
+            self.lm_head = PPMissingLayer()
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_input_ids(input_ids)
@@ -423,7 +487,3 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsMambaP
     def _check_checkpoint_shapes(self) -> None:
         """Compare safetensors headers with config.json before loading anything (local dirs only)."""
         check_checkpoint_dir(self.config, self.vllm_config.model_config.model)
-
-
-def _join(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name

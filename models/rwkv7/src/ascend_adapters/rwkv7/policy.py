@@ -26,8 +26,18 @@ def unsupported_reasons(vllm_config) -> list[str]:
             f"tensor parallelism splits heads across ranks: {heads} heads are not divisible by "
             f"tensor_parallel_size={tp}"
         )
-    if par.pipeline_parallel_size > 1:
-        reasons.append(f"pipeline parallelism (pipeline_parallel_size={par.pipeline_parallel_size}) is not supported")
+    pp, layers = par.pipeline_parallel_size, cfg.num_hidden_layers
+    if pp > layers:
+        reasons.append(
+            f"pipeline parallelism splits the layers across stages: pipeline_parallel_size={pp} exceeds the "
+            f"{layers} layers (every stage needs at least one)"
+        )
+    if pp > 1 and _cpu_eager(vllm_config):
+        reasons.append(
+            "pipeline parallelism on vLLM's CPU backend needs the worker's warm-up run, which enforce_eager "
+            "(compilation mode NONE) skips, leaving a later stage without its receive buffer: drop "
+            "--enforce-eager (RWKV-7 runs uncompiled either way)"
+        )
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching and getattr(cache, "mamba_cache_mode", "align") not in ("none", "align"):
         reasons.append(
@@ -37,6 +47,14 @@ def unsupported_reasons(vllm_config) -> list[str]:
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
     return reasons
+
+
+def _cpu_eager(vllm_config) -> bool:
+    from vllm.config import CompilationMode
+    from vllm.platforms import current_platform
+
+    eager = vllm_config.model_config.enforce_eager or vllm_config.compilation_config.mode == CompilationMode.NONE
+    return current_platform.is_cpu() and eager
 
 
 def check_startup(vllm_config) -> None:
