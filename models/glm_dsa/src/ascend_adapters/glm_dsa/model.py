@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
@@ -45,7 +46,9 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
-from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, make_layers, maybe_prefix
+from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
@@ -61,6 +64,9 @@ from ascend_adapters.glm_dsa.config import (
     require_field,
 )
 from ascend_adapters.glm_dsa.remap import STACKED_PARAMS
+
+# the key of the previous stage's top-k selection in the tensors handed between pipeline stages
+SELECTION_KEY = "topk_indices"
 
 # a child of vLLM's logger, so the path choice and the skipped weights show in vLLM's log
 logger = logging.getLogger("vllm.ascend_adapters.glm_dsa")
@@ -471,8 +477,6 @@ class GlmDsaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        if get_pp_group().world_size > 1:
-            raise GlmDsaConfigError("pipeline parallelism is not supported by the GLM-DSA adapter")
         self.config = config
         self.prefix = prefix
         mc = vllm_config.model_config
@@ -491,9 +495,15 @@ class GlmDsaModel(nn.Module):
                 require_field(config, name)
         if config.hidden_act != "silu":
             raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
-        )
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            compat.enable_cpu_pipeline_receive_buffers()
+        if pp.is_first_rank or (getattr(config, "tie_word_embeddings", False) and pp.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: GlmDsaDecoderLayer(
@@ -501,7 +511,16 @@ class GlmDsaModel(nn.Module):
             ),
             prefix=maybe_prefix(prefix, "layers"),
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        # IndexShare across a stage boundary: a 'shared' layer reads the top-k of the last 'full' layer
+        # before it; when that layer sits on the previous stage, the selection travels with the hidden
+        # states (see make_empty_intermediate_tensors).
+        types = _indexer_types(config)
+        sparse = self.mode is AttentionMode.SPARSE
+        self.receives_selection = sparse and self.start_layer > 0 and types[self.start_layer] == "shared"
+        self.sends_selection = (
+            sparse and self.end_layer < config.num_hidden_layers and types[self.end_layer] == "shared"
+        )
         # (param name, checkpoint name, expert id, shard id) of every routed expert
         self.expert_params_mapping = fused_moe_make_expert_params_mapping(
             self,
@@ -514,12 +533,46 @@ class GlmDsaModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """What this stage receives: hidden states and residual, and the previous stage's last top-k
+        selection (``[tokens, index_topk]`` context positions, ``-1`` = none; int32, as positions stay
+        below ``max_model_len``) when this stage starts with a 'shared' layer.
+
+        Sending the selection rather than refusing such a split: GLM-5.x schedules make most layers
+        'shared' (``index_topk_freq``), so refusing would leave few layer partitions; and the selection is
+        ``index_topk`` int32 per token: 8 KiB for GLM-5 (index_topk 2048) beside the 24 KiB of its
+        bfloat16 hidden state and residual (2 x 6144 x 2 bytes)."""
+        tensors = {
+            "hidden_states": torch.zeros(batch_size, self.config.hidden_size, dtype=dtype, device=device),
+            "residual": torch.zeros(batch_size, self.config.hidden_size, dtype=dtype, device=device),
+        }
+        if self.receives_selection:
+            tensors[SELECTION_KEY] = torch.full(
+                (batch_size, int(self.config.index_topk)), -1, dtype=torch.int32, device=device
+            )
+        return IntermediateTensors(tensors)
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
         selection = None
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+            if self.receives_selection:
+                selection = intermediate_tensors[SELECTION_KEY].long()
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual, selection = layer(positions, hidden_states, residual, selection)
+        if not get_pp_group().is_last_rank:
+            tensors = {"hidden_states": hidden_states, "residual": residual}
+            if self.sends_selection:
+                if selection is None:  # profiling / dummy run: no layer selected anything
+                    selection = torch.full((hidden_states.shape[0], int(self.config.index_topk)), -1)
+                tensors[SELECTION_KEY] = selection.to(device=hidden_states.device, dtype=torch.int32)
+            return IntermediateTensors(tensors)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -540,8 +593,12 @@ class GlmDsaModel(nn.Module):
         }
 
 
-class GlmMoeDsaForCausalLM(nn.Module):
-    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports)."""
+class GlmMoeDsaForCausalLM(nn.Module, SupportsPP):
+    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports).
+
+    Pipeline parallel as vLLM's own models: each stage holds its ``make_layers`` range (the others are
+    ``PPMissingLayer``, their checkpoint tensors skipped at load), the first stage the embeddings, the
+    last the final norm and ``lm_head``."""
 
     # checkpoint shards fused into one vLLM module (quantization configs look types up per shard)
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -553,11 +610,15 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.config = config
         self.vllm_config = vllm_config
         self.model = GlmDsaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
+            )
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.logits_processor = LogitsProcessor(config.vocab_size)
         # the drops that depend on the config: MTP layers, indexers the chosen path does not use
         types = _indexer_types(config)
@@ -590,6 +651,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
             expert_mapping=self.model.expert_params_mapping,
             error=remap.GlmDsaWeightsError,
         )
-        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
+        for layer in islice(self.model.layers, self.model.start_layer, self.model.end_layer):
             layer.self_attn.absorb_weights()
         return loaded
