@@ -1,7 +1,11 @@
 """GLM-5.x DSA (``GlmMoeDsaForCausalLM``) for platforms without a native sparse-MLA path.
 
-Reads like vLLM's own model files: attention (MLA + lightning indexer), MLP and
-MoE, decoder layer, model, then the causal-LM wrapper with ``load_weights``.
+Reads like vLLM's own model files: attention (MLA + lightning indexer), the MoE
+router adaptation, decoder layer, model, then the causal-LM wrapper with
+``load_weights``. The MLP and MoE blocks are vLLM's DeepSeek-V2 ones
+(``DeepseekV2MLP``, ``DeepseekV2MoE``), as in vLLM's own DSA model; this file
+owns only what differs from DeepSeek-V2: the DSA indexer, IndexShare ('shared'
+layers) and the absorbed sparse attention in the latent space.
 
 Attention: MLA projections as in the checkpoint; per token the layer caches one
 latent row ``[kv_c | k_pe | indexer_k]`` in its own paged cache (a vLLM
@@ -22,19 +26,18 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
-from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear, fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.fused_moe import GateLinear, fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
-    MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
     UnquantizedLinearMethod,
@@ -42,10 +45,13 @@ from vllm.model_executor.layers.linear import (
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
+from vllm.model_executor.models.interfaces import SupportsPP
+from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, make_layers, maybe_prefix
+from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common import compat, cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
@@ -58,6 +64,9 @@ from ascend_adapters.glm_dsa.config import (
     require_field,
 )
 from ascend_adapters.glm_dsa.remap import STACKED_PARAMS
+
+# the key of the previous stage's top-k selection in the tensors handed between pipeline stages
+SELECTION_KEY = "topk_indices"
 
 # a child of vLLM's logger, so the path choice and the skipped weights show in vLLM's log
 logger = logging.getLogger("vllm.ascend_adapters.glm_dsa")
@@ -368,77 +377,71 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         self.w_uk_t, self.w_uv = kernels.absorb_kv_b(self.kv_b_proj.weight.data, self.num_heads, self.nope, self.v_dim)
 
 
-class GlmDsaMLP(nn.Module):
-    def __init__(self, hidden_size, intermediate_size, quant_config, reduce_results=True, prefix=""):
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(
-            hidden_size, [intermediate_size] * 2, bias=False, quant_config=quant_config, prefix=f"{prefix}.gate_up_proj"
-        )
-        self.down_proj = RowParallelLinear(
-            intermediate_size,
-            hidden_size,
-            bias=False,
-            quant_config=quant_config,
-            reduce_results=reduce_results,
-            prefix=f"{prefix}.down_proj",
-        )
-        self.act_fn = SiluAndMul()
+class GlmDsaRoutingConfig:
+    """The config as vLLM's ``DeepseekV2MoE`` reads it, with GLM-5's router made explicit.
 
-    def forward(self, x):
-        x, _ = self.down_proj(self.act_fn(self.gate_up_proj(x)[0]))
-        return x
+    ``DeepseekV2MoE`` takes the scoring function from ``scoring_func`` (default softmax) and builds the
+    ``e_score_correction_bias`` only when ``topk_method == "noaux_tc"``; GLM-5 configs need not carry
+    either, because transformers' ``GlmMoeDsaTopkRouter`` always scores with a sigmoid plus that bias
+    (n_group / topk_group group-limited, ``norm_topk_prob``, ``routed_scaling_factor``: read as they are).
+    A config that names another scoring or top-k method is not this router and is refused.
+    """
+
+    ROUTER = {"scoring_func": "sigmoid", "topk_method": "noaux_tc"}
+
+    def __init__(self, config):
+        for name, value in self.ROUTER.items():
+            declared = getattr(config, name, None)
+            if declared is not None and declared != value:
+                raise GlmDsaConfigError(
+                    f"config.json {name}={declared!r}: GLM-5's router (transformers' GlmMoeDsaTopkRouter) "
+                    f"is {name}={value!r}"
+                )
+        self._config = config
+
+    def __getattr__(self, name):
+        if name in GlmDsaRoutingConfig.ROUTER:
+            return GlmDsaRoutingConfig.ROUTER[name]
+        return getattr(self._config, name)
 
 
-class GlmDsaMoE(nn.Module):
-    """Sigmoid-scored, bias-corrected, group-limited top-k routing plus shared experts (vLLM FusedMoE)."""
+def _route_in_float32(gate: GateLinear) -> None:
+    """Hold the router weight in float32, as transformers' ``GlmMoeDsaTopkRouter`` computes its logits
+    (``F.linear`` of the float32-cast input and weight). ``DeepseekV2MoE`` builds the gate in the model
+    dtype (only its output is float32), so in bfloat16 the product would round before the sigmoid and
+    can change which experts are chosen. The checkpoint's bfloat16 values upcast exactly; ``GateLinear``
+    then casts the input to the weight's dtype. Done before loading, so the loader fills this tensor."""
+    weight = gate.weight
+    if weight.dtype == torch.float32:
+        return
+    fp32 = nn.Parameter(torch.empty_like(weight, dtype=torch.float32), requires_grad=False)
+    for attr, value in vars(weight).items():  # weight_loader and the other vLLM weight attributes
+        setattr(fp32, attr, value)
+    gate.weight = fp32
 
-    def __init__(self, config, quant_config, prefix: str):
-        super().__init__()
-        if config.hidden_act != "silu":
-            raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
-        self.gate = GateLinear(
-            config.hidden_size,
-            config.n_routed_experts,
-            out_dtype=torch.float32,
-            force_fp32_compute=True,
-            prefix=f"{prefix}.gate",
-        )
-        self.gate.e_score_correction_bias = nn.Parameter(
-            torch.zeros(config.n_routed_experts, dtype=torch.float32), requires_grad=False
-        )
-        self.shared_experts = None
-        if config.n_shared_experts:
-            self.shared_experts = GlmDsaMLP(
-                config.hidden_size,
-                config.moe_intermediate_size * config.n_shared_experts,
-                quant_config,
-                reduce_results=False,
-                prefix=f"{prefix}.shared_experts",
-            )
-        self.experts = FusedMoEFactory(
-            shared_experts=self.shared_experts,
-            gate=self.gate,
-            num_experts=config.n_routed_experts,
-            top_k=config.num_experts_per_tok,
-            hidden_size=config.hidden_size,
-            intermediate_size=config.moe_intermediate_size,
-            renormalize=config.norm_topk_prob,
-            quant_config=quant_config,
-            use_grouped_topk=True,
-            num_expert_group=getattr(config, "n_group", 1) or 1,
-            topk_group=getattr(config, "topk_group", 1) or 1,
-            prefix=f"{prefix}.experts",
-            scoring_func="sigmoid",
-            routed_scaling_factor=config.routed_scaling_factor,
-            e_score_correction_bias=self.gate.e_score_correction_bias,
-            router_logits_dtype=torch.float32,
-        )
 
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self.experts(hidden_states=hidden_states, router_logits=hidden_states)
+def make_moe(vllm_config: VllmConfig, config, prefix: str) -> DeepseekV2MoE:
+    """vLLM's DeepSeek-V2 MoE block (FusedMoE routed experts, shared experts as ``DeepseekV2MLP``) with
+    GLM-5's router (see ``GlmDsaRoutingConfig`` and ``_route_in_float32``)."""
+    moe = DeepseekV2MoE(
+        config=GlmDsaRoutingConfig(config),
+        parallel_config=vllm_config.parallel_config,
+        quant_config=vllm_config.quant_config,
+        prefix=prefix,
+    )
+    _route_in_float32(moe.gate)
+    return moe
 
 
 class GlmDsaDecoderLayer(nn.Module):
+    """One decoder layer: vLLM's ``DeepseekV2MLP`` / ``DeepseekV2MoE`` behind this adapter's attention.
+
+    Not vLLM's ``DeepseekV2DecoderLayer``: its constructor builds vLLM's own MLA attention (and registers
+    that attention layer's cache), and its attention call returns only hidden states, where a DSA layer
+    here also hands its top-k selection to the next 'shared' layer. vLLM's own DSA model
+    (``deepseek_v32``) keeps a decoder layer of its own for the same reason.
+    """
+
     def __init__(self, vllm_config: VllmConfig, config, layer_idx: int, mode: AttentionMode, prefix: str):
         super().__init__()
         quant_config = vllm_config.quant_config
@@ -446,9 +449,15 @@ class GlmDsaDecoderLayer(nn.Module):
         types = getattr(config, "mlp_layer_types", None)
         sparse_mlp = types[layer_idx] == "sparse" if types else layer_idx >= config.first_k_dense_replace
         if sparse_mlp:
-            self.mlp = GlmDsaMoE(config, quant_config, prefix=f"{prefix}.mlp")
+            self.mlp = make_moe(vllm_config, config, prefix=f"{prefix}.mlp")
         else:
-            self.mlp = GlmDsaMLP(config.hidden_size, config.intermediate_size, quant_config, prefix=f"{prefix}.mlp")
+            self.mlp = DeepseekV2MLP(
+                hidden_size=config.hidden_size,
+                intermediate_size=config.intermediate_size,
+                hidden_act=config.hidden_act,
+                quant_config=quant_config,
+                prefix=f"{prefix}.mlp",
+            )
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -468,8 +477,6 @@ class GlmDsaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
         config = vllm_config.model_config.hf_text_config
-        if get_pp_group().world_size > 1:
-            raise GlmDsaConfigError("pipeline parallelism is not supported by the GLM-DSA adapter")
         self.config = config
         self.prefix = prefix
         mc = vllm_config.model_config
@@ -486,9 +493,17 @@ class GlmDsaModel(nn.Module):
         if self.mode is AttentionMode.SPARSE:
             for name in ("index_n_heads", "index_head_dim"):
                 require_field(config, name)
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
-        )
+        if config.hidden_act != "silu":
+            raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            cpu_patches.enable_cpu_pipeline_receive_buffers()
+        if pp.is_first_rank or (getattr(config, "tie_word_embeddings", False) and pp.is_last_rank):
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: GlmDsaDecoderLayer(
@@ -496,7 +511,16 @@ class GlmDsaModel(nn.Module):
             ),
             prefix=maybe_prefix(prefix, "layers"),
         )
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps) if pp.is_last_rank else PPMissingLayer()
+        # IndexShare across a stage boundary: a 'shared' layer reads the top-k of the last 'full' layer
+        # before it; when that layer sits on the previous stage, the selection travels with the hidden
+        # states (see make_empty_intermediate_tensors).
+        types = _indexer_types(config)
+        sparse = self.mode is AttentionMode.SPARSE
+        self.receives_selection = sparse and self.start_layer > 0 and types[self.start_layer] == "shared"
+        self.sends_selection = (
+            sparse and self.end_layer < config.num_hidden_layers and types[self.end_layer] == "shared"
+        )
         # (param name, checkpoint name, expert id, shard id) of every routed expert
         self.expert_params_mapping = fused_moe_make_expert_params_mapping(
             self,
@@ -509,12 +533,46 @@ class GlmDsaModel(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
 
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        """What this stage receives: hidden states and residual, and the previous stage's last top-k
+        selection (``[tokens, index_topk]`` context positions, ``-1`` = none; int32, as positions stay
+        below ``max_model_len``) when this stage starts with a 'shared' layer.
+
+        Sending the selection rather than refusing such a split: GLM-5.x schedules make most layers
+        'shared' (``index_topk_freq``), so refusing would leave few layer partitions; and the selection is
+        ``index_topk`` int32 per token: 8 KiB for GLM-5 (index_topk 2048) beside the 24 KiB of its
+        bfloat16 hidden state and residual (2 x 6144 x 2 bytes)."""
+        tensors = {
+            "hidden_states": torch.zeros(batch_size, self.config.hidden_size, dtype=dtype, device=device),
+            "residual": torch.zeros(batch_size, self.config.hidden_size, dtype=dtype, device=device),
+        }
+        if self.receives_selection:
+            tensors[SELECTION_KEY] = torch.full(
+                (batch_size, int(self.config.index_topk)), -1, dtype=torch.int32, device=device
+            )
+        return IntermediateTensors(tensors)
+
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
-        hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
-        residual = None
         selection = None
-        for layer in self.layers[self.start_layer : self.end_layer]:
+        if get_pp_group().is_first_rank:
+            hidden_states = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
+            residual = None
+        else:
+            hidden_states = intermediate_tensors["hidden_states"]
+            residual = intermediate_tensors["residual"]
+            if self.receives_selection:
+                selection = intermediate_tensors[SELECTION_KEY].long()
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             hidden_states, residual, selection = layer(positions, hidden_states, residual, selection)
+        if not get_pp_group().is_last_rank:
+            tensors = {"hidden_states": hidden_states, "residual": residual}
+            if self.sends_selection:
+                if selection is None:  # profiling / dummy run: no layer selected anything
+                    selection = torch.full((hidden_states.shape[0], int(self.config.index_topk)), -1)
+                tensors[SELECTION_KEY] = selection.to(device=hidden_states.device, dtype=torch.int32)
+            return IntermediateTensors(tensors)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
 
@@ -535,8 +593,12 @@ class GlmDsaModel(nn.Module):
         }
 
 
-class GlmMoeDsaForCausalLM(nn.Module):
-    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports)."""
+class GlmMoeDsaForCausalLM(nn.Module, SupportsPP):
+    """vLLM entry point for ``GlmMoeDsaForCausalLM`` checkpoints (BF16/FP32 and ModelSlim W8A8 exports).
+
+    Pipeline parallel as vLLM's own models: each stage holds its ``make_layers`` range (the others are
+    ``PPMissingLayer``, their checkpoint tensors skipped at load), the first stage the embeddings, the
+    last the final norm and ``lm_head``."""
 
     # checkpoint shards fused into one vLLM module (quantization configs look types up per shard)
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
@@ -548,11 +610,15 @@ class GlmMoeDsaForCausalLM(nn.Module):
         self.config = config
         self.vllm_config = vllm_config
         self.model = GlmDsaModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.lm_head = ParallelLMHead(
-            config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
-        )
-        if getattr(config, "tie_word_embeddings", False):
-            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        if get_pp_group().is_last_rank:
+            self.lm_head = ParallelLMHead(
+                config.vocab_size, config.hidden_size, quant_config=None, prefix=maybe_prefix(prefix, "lm_head")
+            )
+            if getattr(config, "tie_word_embeddings", False):
+                self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        else:
+            self.lm_head = PPMissingLayer()
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
         self.logits_processor = LogitsProcessor(config.vocab_size)
         # the drops that depend on the config: MTP layers, indexers the chosen path does not use
         types = _indexer_types(config)
@@ -585,6 +651,6 @@ class GlmMoeDsaForCausalLM(nn.Module):
             expert_mapping=self.model.expert_params_mapping,
             error=remap.GlmDsaWeightsError,
         )
-        for layer in self.model.layers[self.model.start_layer : self.model.end_layer]:
+        for layer in islice(self.model.layers, self.model.start_layer, self.model.end_layer):
             layer.self_attn.absorb_weights()
         return loaded

@@ -4,8 +4,7 @@ vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration of the model, plus the config class
 (``model_type: rwkv7``), the World tokenizer class and the start-up policy
 (``policy.py``: state-cache sizing; refusing speculative decoding, a head count
-that tensor parallelism cannot split, more pipeline stages than layers, and
-pipeline parallelism with enforce_eager on vLLM's CPU backend).
+that tensor parallelism cannot split, and more pipeline stages than layers).
 """
 
 from __future__ import annotations

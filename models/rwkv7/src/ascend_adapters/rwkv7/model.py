@@ -370,6 +370,8 @@ class Rwkv7Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         pp = get_pp_group()
+        if pp.world_size > 1:
+            cpu_patches.enable_cpu_pipeline_receive_buffers()
         if pp.is_first_rank:
             self.embeddings = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embeddings")

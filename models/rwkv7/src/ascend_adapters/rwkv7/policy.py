@@ -32,12 +32,6 @@ def unsupported_reasons(vllm_config) -> list[str]:
             f"pipeline parallelism splits the layers across stages: pipeline_parallel_size={pp} exceeds the "
             f"{layers} layers (every stage needs at least one)"
         )
-    if pp > 1 and _cpu_eager(vllm_config):
-        reasons.append(
-            "pipeline parallelism on vLLM's CPU backend needs the worker's warm-up run, which enforce_eager "
-            "(compilation mode NONE) skips, leaving a later stage without its receive buffer: drop "
-            "--enforce-eager (RWKV-7 runs uncompiled either way)"
-        )
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching and getattr(cache, "mamba_cache_mode", "align") not in ("none", "align"):
         reasons.append(
@@ -47,14 +41,6 @@ def unsupported_reasons(vllm_config) -> list[str]:
     if vllm_config.speculative_config is not None:
         reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
     return reasons
-
-
-def _cpu_eager(vllm_config) -> bool:
-    from vllm.config import CompilationMode
-    from vllm.platforms import current_platform
-
-    eager = vllm_config.model_config.enforce_eager or vllm_config.compilation_config.mode == CompilationMode.NONE
-    return current_platform.is_cpu() and eager
 
 
 def check_startup(vllm_config) -> None:
