@@ -140,3 +140,38 @@ def test_no_vllm_entry_gives_a_plain_hook():
         assert seen == ["vc"]
     finally:
         MODELS_CONFIG_MAP.pop(ARCH, None)
+
+
+def test_speculation_refusal_names_the_method_and_what_is_served():
+    from types import SimpleNamespace
+
+    from ascend_adapters.common.policy import speculation_refusal
+
+    assert speculation_refusal(SimpleNamespace(speculative_config=None), ()) is None
+    ngram = SimpleNamespace(speculative_config=SimpleNamespace(method="ngram"))
+    assert speculation_refusal(ngram, ("ngram",)) is None
+    why = speculation_refusal(ngram, ("mtp",))
+    assert "'ngram' is not served" in why and "served: mtp" in why
+    assert "served: none" in speculation_refusal(ngram, ())
+
+
+def test_status_reports_what_each_adapter_class_serves():
+    """Pipeline parallelism is read from the class (vLLM's SupportsPP); the speculative methods are the
+    ones the adapter's start-up policy accepts (its SPECULATIVE_METHODS)."""
+    import importlib
+
+    from vllm.model_executor.models.interfaces import supports_pp
+
+    from ascend_adapters.common.registry import ADAPTER, serving_report
+    from ascend_adapters.common.status import format_status, status
+
+    rows = [r for r in serving_report() if r["serves"] == ADAPTER]
+    assert {r["arch"] for r in rows} >= {"RWKV7ForCausalLM", "GlmMoeDsaForCausalLM", "DeepseekV4ForCausalLM"}
+    for r in rows:
+        module, _, cls = r["target"].partition(":")
+        hook = importlib.import_module(module.rsplit(".", 1)[0])
+        want = bool(supports_pp(getattr(importlib.import_module(module), cls)))
+        assert r["capabilities"] == {"pipeline_parallel": want, "speculative_methods": list(hook.SPECULATIVE_METHODS)}
+    text = format_status(status())
+    assert "pipeline parallelism: supported (SupportsPP)" in text
+    assert "speculative decoding: none (refused at start-up)" in text

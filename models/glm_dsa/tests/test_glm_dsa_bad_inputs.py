@@ -296,8 +296,11 @@ def test_speculative_decoding_is_refused_in_one_line():
 
     from ascend_adapters.glm_dsa.policy import check_startup
 
-    with pytest.raises(GlmDsaConfigError, match=r"speculative decoding is not supported .*--speculative-config"):
-        check_startup(SimpleNamespace(speculative_config=object(), model_config=None))
+    spec = SimpleNamespace(method="mtp", num_speculative_tokens=1)
+    with pytest.raises(
+        GlmDsaConfigError, match=r"speculative decoding method 'mtp' is not served .*--speculative-config"
+    ):
+        check_startup(SimpleNamespace(speculative_config=spec, model_config=None))
 
 
 def test_startup_policy_wraps_vllms_hook(monkeypatch):

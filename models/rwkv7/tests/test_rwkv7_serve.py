@@ -117,8 +117,7 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
         ["tp4_two_heads", str(good), {"tensor_parallel_size": 4}],
         ["prefix_caching", str(good), {"enable_prefix_caching": True}],
         ["prefix_caching_all", str(good), {"enable_prefix_caching": True, "mamba_cache_mode": "all"}],
-        ["pp2", str(good), {"pipeline_parallel_size": 2, "enforce_eager": False}],
-        ["pp2_eager_cpu", str(good), {"pipeline_parallel_size": 2}],
+        ["pp2", str(good), {"pipeline_parallel_size": 2}],
         ["pp3_two_layers", str(good), {"pipeline_parallel_size": 3}],
         [
             "speculative",
@@ -150,14 +149,10 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
     ), msg
     assert got["pp2"] == "OK"
     assert (
-        "RWKV-7 adapter: pipeline parallelism on vLLM's CPU backend needs the worker's warm-up run, which "
-        "enforce_eager (compilation mode NONE) skips" in got["pp2_eager_cpu"]
-    ), got["pp2_eager_cpu"]
-    assert (
         "RWKV-7 adapter: pipeline parallelism splits the layers across stages: pipeline_parallel_size=3 "
         "exceeds the 2 layers" in got["pp3_two_layers"]
     ), got["pp3_two_layers"]
-    assert "speculative decoding is not supported" in got["speculative"]
+    assert "speculative decoding method 'ngram' is not served by this adapter (served: none)" in got["speculative"]
     assert "checkpoint and config.json disagree" in got["config_vs_weights"]
     assert "'model.layers.0.ffn.key.weight' has shape [256, 64], config implies [512, 64]" in got["config_vs_weights"]
     assert "head_dim 16 is not supported" in got["head_size"]

@@ -104,3 +104,22 @@ def install_policy(
         )
         done.append(arch)
     return done
+
+
+def speculation_refusal(vllm_config, methods: tuple[str, ...]) -> str | None:
+    """Why a speculative config is refused (None: none asked for, or a method the adapter serves).
+
+    ``methods`` is the adapter's ``SPECULATIVE_METHODS`` (its hook module), which
+    ``ascend-adapters status`` reports too, so the refusal and the report cannot disagree.
+    """
+    spec = getattr(vllm_config, "speculative_config", None)
+    if spec is None:
+        return None
+    method = getattr(spec, "method", None)
+    if method in methods:
+        return None
+    served = ", ".join(methods) if methods else "none"
+    return (
+        f"speculative decoding method {method!r} is not served by this adapter (served: {served}); "
+        "serve without --speculative-config"
+    )

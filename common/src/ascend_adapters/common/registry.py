@@ -265,10 +265,27 @@ def serving_report(load_plugins: bool = True) -> list[dict]:
             continue
         for arch, ours in archs.items():
             row = _row(arch, ours, module_name)
-            if row["serves"] == ADAPTER and getattr(hook_module, "STATUS_NOTES", None):
-                row["notes"] = status_notes(hook_module.STATUS_NOTES)
+            if row["serves"] == ADAPTER:
+                row["capabilities"] = capabilities(ours, getattr(hook_module, "SPECULATIVE_METHODS", ()))
+                if getattr(hook_module, "STATUS_NOTES", None):
+                    row["notes"] = status_notes(hook_module.STATUS_NOTES)
             rows.append(row)
     return rows
+
+
+def capabilities(target: str, speculative_methods: tuple[str, ...]) -> dict:
+    """What the adapter's class serves beyond one rank: pipeline parallelism (vLLM's ``SupportsPP``,
+    read from the class) and the speculative decoding methods its start-up policy accepts."""
+    import importlib
+
+    try:
+        from vllm.model_executor.models.interfaces import supports_pp
+
+        module_name, _, cls_name = target.partition(":")
+        pp = bool(supports_pp(getattr(importlib.import_module(module_name), cls_name)))
+    except Exception as exc:  # status must always answer
+        pp = f"unknown ({type(exc).__name__}: {exc})"
+    return {"pipeline_parallel": pp, "speculative_methods": list(speculative_methods)}
 
 
 def status_notes(spec: str) -> list[str]:

@@ -97,6 +97,12 @@ def format_status(st: dict) -> str:
     lines.append("architectures (native first):")
     for r in st.get("serving") or []:
         lines.append(f"  {r['arch']}: {r['serves']} {r['target'] or ''} ({r['why']})")
+        cap = r.get("capabilities")
+        if cap:
+            pp = cap["pipeline_parallel"]
+            pp_text = {True: "supported (SupportsPP)", False: "not supported"}.get(pp, pp)
+            spec = ", ".join(cap["speculative_methods"]) or "none (refused at start-up)"
+            lines.append(f"    pipeline parallelism: {pp_text}; speculative decoding: {spec}")
         lines.extend(f"    {note}" for note in r.get("notes") or [])
     q = st.get("quantization")
     if q:

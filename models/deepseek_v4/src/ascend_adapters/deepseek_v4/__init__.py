@@ -21,6 +21,9 @@ from __future__ import annotations
 
 ARCH = "DeepseekV4ForCausalLM"
 
+# speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
+SPECULATIVE_METHODS: tuple[str, ...] = ()
+
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {ARCH: "ascend_adapters.deepseek_v4.model:DeepseekV4ForCausalLM"}
 

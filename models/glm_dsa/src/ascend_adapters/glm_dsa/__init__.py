@@ -13,6 +13,9 @@ plugin order. ``ASCEND_ADAPTERS_GLM_DSA``: ``auto`` (default), ``adapter`` (or
 
 from __future__ import annotations
 
+# speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
+SPECULATIVE_METHODS: tuple[str, ...] = ()
+
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
     "GlmMoeDsaForCausalLM": "ascend_adapters.glm_dsa.model:GlmMoeDsaForCausalLM",

@@ -15,6 +15,8 @@ ARCH = "GlmMoeDsaForCausalLM"
 
 
 def check_startup(vllm_config) -> None:
+    from ascend_adapters.common.policy import speculation_refusal
+    from ascend_adapters.glm_dsa import SPECULATIVE_METHODS
     from ascend_adapters.glm_dsa.config import (
         GlmDsaConfigError,
         check_raw_config,
@@ -22,11 +24,9 @@ def check_startup(vllm_config) -> None:
         raw_config_dict,
     )
 
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise GlmDsaConfigError(
-            f"{ARCH} (ascend-adapters): speculative decoding is not supported by this adapter yet "
-            "(its MTP layer is not served); serve without --speculative-config"
-        )
+    refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
+    if refusal:
+        raise GlmDsaConfigError(f"{ARCH} (ascend-adapters): {refusal}")
     mc = vllm_config.model_config
     check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
     choose_attention_mode(mc.hf_text_config, mc.max_model_len)

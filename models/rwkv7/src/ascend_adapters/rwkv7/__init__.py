@@ -11,6 +11,9 @@ from __future__ import annotations
 
 _MODEL = "ascend_adapters.rwkv7.model:Rwkv7ForCausalLM"
 
+# speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
+SPECULATIVE_METHODS: tuple[str, ...] = ()
+
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {
     "RWKV7ForCausalLM": _MODEL,  # flash-linear-attention's HF layout (released HF checkpoints)

@@ -38,8 +38,12 @@ def unsupported_reasons(vllm_config) -> list[str]:
             f"prefix caching with mamba_cache_mode={cache.mamba_cache_mode!r} is not supported: RWKV-7 keeps "
             "states at block boundaries ('align', the default with --enable-prefix-caching)"
         )
-    if vllm_config.speculative_config is not None:
-        reasons.append("speculative decoding is not supported: the recurrent state cannot roll back rejected tokens")
+    from ascend_adapters.common.policy import speculation_refusal
+    from ascend_adapters.rwkv7 import SPECULATIVE_METHODS
+
+    refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
+    if refusal:
+        reasons.append(f"{refusal} (the recurrent state does not roll back rejected tokens yet)")
     return reasons
 
 
