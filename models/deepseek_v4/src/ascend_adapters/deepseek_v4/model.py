@@ -44,6 +44,7 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
 from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
@@ -59,10 +60,9 @@ from ascend_adapters.deepseek_v4.config import (
     LAYER_SLIDING,
     RELEASE_QUANT_ATTR,
     compressed_enabled,
-    rope_sets,
+    vllm_rope_parameters,
 )
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
-from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
 from ascend_adapters.deepseek_v4.remap import (
@@ -120,16 +120,27 @@ def _sharded_loader(dim: int):
     return loader
 
 
-class _Rope:
-    """cos/sin tables for one rope-parameter set (``main`` or ``compress``)."""
-
-    def __init__(self, config, label: str):
-        self.inv_freq, self.scale = rope_inv_freq(
-            rope_sets(config)[label], config.head_dim, config.max_position_embeddings
+def deepseek_v4_rope(config, label: str, max_model_len: int) -> nn.Module:
+    """vLLM's DeepSeek-V4 rotary embedding for one rope set (``main`` or ``compress``), shared by
+    every layer that uses it (``get_rope`` caches it); see ``config.vllm_rope_parameters``."""
+    rope = get_rope(
+        config.head_dim,
+        max_position=config.max_position_embeddings,
+        rope_parameters=vllm_rope_parameters(config, label),
+        is_neox_style=False,
+    )
+    if rope.cos_sin_cache.shape[0] < max_model_len:
+        raise ValueError(
+            f"DeepSeek-V4 rope set {label!r} covers {rope.cos_sin_cache.shape[0]} positions "
+            f"(original_max_position_embeddings x factor), fewer than max_model_len={max_model_len}"
         )
+    return rope
 
-    def __call__(self, positions: torch.Tensor):
-        return rope_cos_sin(self.inv_freq, self.scale, positions)
+
+def apply_rope(rope: nn.Module, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing rope channels of ``x`` (``[T, heads, D]``, or ``[T, D]`` for one head)."""
+    out, _ = rope(positions, x if x.dim() == 3 else x.unsqueeze(1), None, inverse=inverse)
+    return out.view_as(x)
 
 
 # ---------------------------------------------------------------- compressor / indexer
@@ -159,7 +170,7 @@ class DeepseekV4Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def pool(self, x: torch.Tensor, first_pos: int, rope: _Rope, has_prev: bool) -> torch.Tensor:
+    def pool(self, x: torch.Tensor, first_pos: int, rope: nn.Module, has_prev: bool) -> torch.Tensor:
         """Entries for the whole windows in ``x`` (rows from ``first_pos``, a window start).
 
         With overlap and ``has_prev`` the first window of ``x`` only feeds the next entry.
@@ -170,8 +181,7 @@ class DeepseekV4Compressor(nn.Module):
         out = self.kv_norm(pooled)
         first_w = first_pos // self.rate + (1 if (self.overlap and has_prev) else 0)
         pos = torch.arange(out.shape[0], device=x.device) * self.rate + first_w * self.rate
-        cos, sin = rope(pos)
-        return op("dsv4.rope_interleaved")(out, cos, sin)
+        return apply_rope(rope, pos, out)
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -280,10 +290,11 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             )
         # Checkpoint layer type: a CSA/HCA layer served window-only would silently change the model.
         self.ckpt_layer_type = config.layer_types[layer_idx]
-        self.rope = _Rope(config, "main" if self.ckpt_layer_type == LAYER_SLIDING else "compress")
-        self.rope_compress = _Rope(config, "compress")
-
         self.max_model_len = vllm_config.model_config.max_model_len
+        label = "main" if self.ckpt_layer_type == LAYER_SLIDING else "compress"
+        self.rotary_emb = deepseek_v4_rope(config, label, self.max_model_len)
+        # compressed entries and the indexer's queries always take the compress set
+        self.compress_rotary_emb = deepseek_v4_rope(config, "compress", self.max_model_len)
         self._shapes = state_shapes(config, self.max_model_len)
         self._dims = state_dims(config, self.max_model_len)
         cc = vllm_config.compilation_config
@@ -355,9 +366,9 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 rows = torch.cat([old, x[: stop - pos0]], 0)
             else:
                 rows = x[start - pos0 : stop - pos0]
-            new_c = comp.pool(rows, start, self.rope_compress, has_prev)
+            new_c = comp.pool(rows, start, self.compress_rotary_emb, has_prev)
             if overlap:
-                new_i = comp.indexer.pool(rows, start, self.rope_compress, has_prev)
+                new_i = comp.indexer.pool(rows, start, self.compress_rotary_emb, has_prev)
         if state is None:  # stateless (profile) run: this chunk alone, from position pos0
             ent = new_c if new_c is not None else x.new_zeros((0, self.head_dim))
             idx = new_i if new_i is not None else None
@@ -375,9 +386,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         """Lightning indexer: keep the top-k visible compressed entries per query."""
         ind = self.compressor.indexer
         n = x.shape[0]
-        qi = ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim)
-        cos, sin = self.rope_compress(qpos)
-        qi = op("dsv4.rope_interleaved")(qi, cos, sin)
+        qi = apply_rope(self.compress_rotary_emb, qpos, ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim))
         w = ind.weights_proj(x)
         scores = op("dsv4.indexer_scores")(qi, idx_entries, w, ind.softmax_scale, ind.weights_scale)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -395,9 +404,8 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         qr = self.q_a_norm(q_a)
         q = self.q_b_proj(qr).view(t, self.n_heads, self.head_dim)
         q = op("dsv4.rms_norm")(q, None, self.eps)
-        cos, sin = self.rope(positions)
-        q = op("dsv4.rope_interleaved")(q, cos, sin)
-        kv = op("dsv4.rope_interleaved")(self.kv_norm(kv), cos, sin)
+        q, kv = self.rotary_emb(positions, q, self.kv_norm(kv).unsqueeze(1))
+        kv = kv.squeeze(1)
 
         out = torch.empty_like(q)
         md = get_forward_context().attn_metadata
@@ -414,7 +422,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 state = [s[slots[i]] for s in self.kv_cache]
                 out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
         # K = V carried rope on its trailing slice: undo it at the query position.
-        out = op("dsv4.rope_interleaved")(out, cos, -sin)
+        out = apply_rope(self.rotary_emb, positions, out, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)
         o = op("dsv4.grouped_linear")(grouped, self.o_a_proj.weight, self.o_groups)
         return self.o_b_proj(o)
