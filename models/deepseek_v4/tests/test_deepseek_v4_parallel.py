@@ -4,6 +4,12 @@
   dimension split across ranks (the shared K=V head, compressors and indexer replicated). Logits
   match transformers and a TP=1 engine within today's float32 bound (1e-3), for the prompts one by
   one and batched, with chunked prefill (16-token scheduler budget).
+* PP=2 (``pipeline_parallel_size=2``): layers 0-1 on the first stage (with the embedding), 2-3 on
+  the last (with norm, hc_head and head); the mHC residual streams ([tokens, hc_mult, hidden]) pass
+  between them as vLLM's intermediate tensors, each stage keeps its own layers' attention state and
+  loads only its own weights (the rest skipped with the reason, hash tables only where hash layers
+  are). Logits match transformers within 1e-3 alone, batched and with chunked prefill, one engine.
+  Exact up to float32 rounding: the stages run the same ops in the same order as one process.
 * EP=2 (``--enable-expert-parallel``): each rank holds half of the routed experts. Run through a
   ModelSlim W8A8_DYNAMIC export of the routed experts (common's MoE kernel under ``expert_map``)
   and through the float checkpoint (this adapter's clamped-SwiGLU kernel under ``expert_map``).
@@ -20,9 +26,10 @@ not model; whole experts under EP see the same rows as the reference.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
-from _dsv4_cases import hf_model, prompts, reference_fn, w8a8_reference
+from _dsv4_cases import TINY_CONFIG, hf_model, prompts, reference_fn, w8a8_reference
 
 from ascend_adapters.common.testing.evidence import EvidenceRecord
 from ascend_adapters.common.testing.modelslim import export_w8a8
@@ -91,6 +98,54 @@ def test_tensor_parallel_2_matches_tp1_and_transformers(tiny, evidence_root):
     ok_tp1 = rec.check("TP=2 logits within 1e-3 of TP=1", rep_tp1.max_abs_diff < TOL, f"{rep_tp1.max_abs_diff:.3e}")
     rec.write(evidence_root)
     assert ok_hf and ok_tok and ok_tp1, (rep_hf.as_dict(), rep_tp1.max_abs_diff)
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
+    model_dir, ref = tiny
+    ps = prompts(LENGTHS, seed=16)
+    runs = [ps] + [[p] for p in ps]  # batched, then each prompt alone, in one engine
+    kwargs = {"max_model_len": 256, "pipeline_parallel_size": 2, "distributed_executor_backend": "mp", **CHUNKED}
+    rec = EvidenceRecord(model="deepseek_v4", gate="pipeline_parallel_2")
+    rec.command(
+        f"vllm.LLM({model_dir}, float32, {kwargs}) batched + alone, greedy {MAX_TOKENS} tokens, raw logits; "
+        "reference transformers float32; each stage probed through LLM.apply_model"
+    )
+    tests_dir = str(Path(__file__).parent)  # the workers import the probe from _dsv4_cases
+    env = {**_two_cpus(), "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
+    res, stages = vllm_logits(
+        model_dir, runs, max_tokens=MAX_TOKENS, llm_kwargs=kwargs, env=env, probe="_dsv4_cases:pipeline_stage"
+    )
+    rep = compare([s for batch in res for s in batch], ref)
+    rec.metric("prompt_lengths", list(LENGTHS))
+    rec.metric("max_abs_diff_vs_transformers", rep.max_abs_diff)
+    rec.metric("per_sequence_vs_transformers", rep.per_sequence)
+    rec.metric("stages", stages)
+    n_layers = TINY_CONFIG["num_hidden_layers"]
+    hash_layers = [i for i, t in enumerate(TINY_CONFIG["mlp_layer_types"]) if t == "hash_moe"]
+    window = TINY_CONFIG["sliding_window"]
+    expected = []
+    for first, (a, b) in zip((True, False), ((0, n_layers // 2), (n_layers // 2, n_layers)), strict=True):
+        expected.append(
+            {
+                "layers": [a, b],
+                "embed": first,
+                "norm_hc_head_lm_head": [not first] * 3,
+                "hash_tables": [f"model.layers.{i}.mlp.gate.tid2eid" for i in hash_layers if a <= i < b],
+                "skipped_layers": [i for i in range(n_layers) if not a <= i < b],
+                "skipped_ends": ["lm_head", "model.hc_head", "model.norm"] if first else ["model.embed_tokens"],
+                "state_rows": {i: window for i in range(a, b)},
+            }
+        )
+    ok_l = rec.check("PP=2 logits within 1e-3 of transformers (batched and alone)", rep.max_abs_diff < TOL)
+    ok_t = rec.check("PP=2 greedy tokens identical to transformers", rep.tokens_identical, rep.first_divergence)
+    ok_s = rec.check(
+        "each stage holds its layers, their state, its ends, and loaded only its weights", stages == expected
+    )
+    rec.write(evidence_root)
+    assert ok_l and ok_t, rep.as_dict()
+    assert ok_s, (stages, expected)
 
 
 @pytest.mark.vllm

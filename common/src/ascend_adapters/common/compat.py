@@ -320,6 +320,39 @@ def enable_cpu_mamba_state_copy() -> bool:
     return True
 
 
+def enable_cpu_pipeline_receive_buffer() -> bool:
+    """Let a later pipeline stage receive the previous stage's tensors on the CPU runner in eager mode.
+
+    vLLM's model runner allocates the buffer a non-first stage copies the received intermediate
+    tensors into (``self.intermediate_tensors``, from the model's ``make_empty_intermediate_tensors``)
+    only in its dummy run; the CPU runner (``CPUModelRunner.warming_up_model``) skips that run when
+    compilation is off, so the first step of stage 2 fails the assertion in
+    ``sync_and_gather_intermediate_tensors`` for any model (same code in vLLM 0.27.1 through 0.32).
+    On the CPU platform this allocates the buffer on first use exactly as the dummy run would.
+    Elsewhere (NPU, GPU) nothing changes. Idempotent; returns whether the CPU allocation is installed.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    original = CPUModelRunner.sync_and_gather_intermediate_tensors
+    if getattr(original, "_ascend_adapters_cpu", False):
+        return True
+
+    def sync_and_gather_intermediate_tensors(self, num_tokens, intermediate_tensors, sync_self):
+        if self.intermediate_tensors is None:
+            self.intermediate_tensors = self.model.make_empty_intermediate_tensors(
+                batch_size=self.max_num_tokens, dtype=self.model_config.dtype, device=self.device
+            )
+        return original(self, num_tokens, intermediate_tensors, sync_self)
+
+    sync_and_gather_intermediate_tensors._ascend_adapters_cpu = True
+    CPUModelRunner.sync_and_gather_intermediate_tensors = sync_and_gather_intermediate_tensors
+    return True
+
+
 # -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------
 
 

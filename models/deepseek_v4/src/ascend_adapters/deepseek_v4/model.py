@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -46,12 +47,18 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
 from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
-from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    extract_layer_index,
+    is_pp_missing_parameter,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import (
@@ -479,21 +486,31 @@ class DeepseekV4Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         self.hc_mult = config.hc_mult
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
-        )
+        pp = get_pp_group()
+        # Pipeline stages: embeddings on the first, norm + hc_head on the last; the mHC streams
+        # ([tokens, hc_mult, hidden]) travel between them as intermediate tensors.
+        if pp.is_first_rank:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: DeepseekV4DecoderLayer(config, extract_layer_index(prefix), quant_config, prefix),
             prefix=maybe_prefix(prefix, "layers"),
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hc_head = nn.Module()
-        n, f32 = config.hc_mult, torch.float32
-        self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=f32))
-        self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
-        self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
-        self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        if pp.is_last_rank:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.hc_head = nn.Module()
+            n, f32 = config.hc_mult, torch.float32
+            self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=f32))
+            self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
+            self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
+            self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        else:
+            self.norm = PPMissingLayer()
+            self.hc_head = PPMissingLayer()
         self.expert_mapping = fused_moe_make_expert_params_mapping(
             self,
             ckpt_gate_proj_name=EXPERT_GATE,
@@ -502,11 +519,23 @@ class DeepseekV4Model(nn.Module):
             num_experts=config.n_routed_experts,
         )
 
-    def forward(self, input_ids, positions, inputs_embeds=None):
-        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers[self.start_layer : self.end_layer]:
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        shape = (batch_size, self.hc_mult, self.config.hidden_size)
+        return IntermediateTensors({"hidden_states": torch.zeros(shape, dtype=dtype, device=device)})
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if get_pp_group().is_first_rank:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+            streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        else:
+            streams = intermediate_tensors["hidden_states"]
+        # every stage gets the token ids (hash-routed layers read tid2eid[token])
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             streams = layer(streams, positions, input_ids)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": streams})
         h = self.hc_head_op(
             streams,
             self.hc_head.hc_fn,
@@ -530,10 +559,11 @@ class DeepseekV4Model(nn.Module):
                 num_experts=self.config.n_routed_experts,
             )
             for name, tensor in weights
+            if not is_pp_missing_parameter(name, self)  # another stage's (logged by the checkpoint loader)
         }
 
 
-class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP):
     # checkpoint names -> this model's; vLLM renames a ModelSlim description with it too
     hf_to_vllm_mapper = weights_mapper()
     # fused module -> the shard names its checkpoint tensors (and description entries) keep
@@ -546,12 +576,24 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         quant_config = vllm_config.quant_config
         self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if quant_config is not None and getattr(quant_config, "description", None) is not None:
-            _check_description_covered(self, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            compat.enable_cpu_pipeline_receive_buffer()
+        if pp.is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        else:
+            self.lm_head = PPMissingLayer()
         if getattr(config, "tie_word_embeddings", False):
+            if pp.world_size > 1:
+                raise ValueError(
+                    "DeepSeek-V4 with tie_word_embeddings: pipeline parallelism is not supported (the head "
+                    "would need the embedding of the first stage on the last)"
+                )
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        if quant_config is not None and getattr(quant_config, "description", None) is not None:
+            _check_description_covered(self, quant_config)
 
     # vLLM's state-cache sizing asks the class before the model exists.
     @classmethod
@@ -573,8 +615,8 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -610,7 +652,11 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
             )
     desc = quant_config.description
     mtp = mtp_patterns(model.config)  # skipped on load, quantized or not
-    stray = sorted(p for p in desc.quantized_weights() if p not in covered and not any(r.search(p) for r in mtp))
+
+    def elsewhere(p: str) -> bool:  # an MTP layer, or a layer of another pipeline stage
+        return any(r.search(p) for r in mtp) or is_pp_missing_parameter(p, model)
+
+    stray = sorted(p for p in desc.quantized_weights() if p not in covered and not elsewhere(p))
     if stray:
         raise ValueError(
             f"{desc.source}: {stray[0]}.weight is {desc.quantized_weights()[stray[0]]}, but the "
