@@ -194,3 +194,32 @@ def w8a8_reference(float_dir, export_dir):
 
         mod.forward = types.MethodType(forward, mod)
     return model
+
+
+def pipeline_stage(model) -> dict:
+    """Probe (``LLM.apply_model``, run on each worker): what this pipeline stage holds and skipped."""
+    import re
+
+    from vllm.model_executor.models.utils import PPMissingLayer
+
+    from ascend_adapters.common import compat
+    from ascend_adapters.common.loading import PIPELINE_STAGE_REASON
+
+    m = model.model
+    layers = range(m.start_layer, m.end_layer)
+    to_model = compat.weights_mapper_fn(model.hf_to_vllm_mapper)  # checkpoint name -> this model's
+    skipped = [to_model(n) for n, reason in model.skipped_weights.items() if reason == PIPELINE_STAGE_REASON]
+    return {
+        "layers": [m.start_layer, m.end_layer],
+        "embed": not isinstance(m.embed_tokens, PPMissingLayer),
+        "norm_hc_head_lm_head": [not isinstance(x, PPMissingLayer) for x in (m.norm, m.hc_head, model.lm_head)],
+        "hash_tables": sorted(n for n, _ in model.named_buffers() if n.endswith(".tid2eid")),
+        "skipped_layers": sorted({int(x) for n in skipped for x in re.findall(r"^model\.layers\.(\d+)\.", n)}),
+        "skipped_ends": sorted({n.rsplit(".", 1)[0] for n in skipped if not n.startswith("model.layers.")}),
+        # the per-request attention state vLLM bound to each of this stage's layers (rows of the window ring)
+        "state_rows": {i: _rows(m.layers[i].self_attn.kv_cache[0]) for i in layers},
+    }
+
+
+def _rows(state: torch.Tensor) -> int:
+    return int(state.shape[-2]) if state.dim() >= 2 else 0  # 0: no state bound (the placeholder)

@@ -306,15 +306,60 @@ def test_kernels_match_transformers_modules():
         assert torch.allclose(ref, got, atol=1e-5)
 
 
-def test_yarn_rope_matches_transformers():
-    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding
+def _long_yarn_config():
+    """A shape like DeepSeek-V4-Flash's rope: head_dim 512 with a 64-channel rope, YaRN factor 16 on
+    the compress set (a shorter context than the real 1M, to keep the tables small)."""
+    from transformers import DeepseekV4Config
 
-    cfg = tiny_config()
-    rot = DeepseekV4RotaryEmbedding(cfg)
-    for label in ("main", "compress"):
-        inv, scale = K.rope_inv_freq(cfg.rope_parameters[label], cfg.head_dim, cfg.max_position_embeddings)
-        assert torch.allclose(inv, getattr(rot, f"{label}_inv_freq"), rtol=1e-6)
-        assert scale == getattr(rot, f"{label}_attention_scaling")
+    return DeepseekV4Config(
+        head_dim=512,
+        partial_rotary_factor=64 / 512,
+        max_position_embeddings=65536,
+        rope_parameters={"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 4096},
+    )
+
+
+@pytest.mark.parametrize("config_fn", [tiny_config, _long_yarn_config], ids=["tiny", "long_yarn"])
+def test_vllm_rotary_matches_transformers_bit_for_bit(config_fn):
+    """vLLM's DeepSeek-V4 rotary class (as ``deepseek_v4_rope`` builds it) against transformers'
+    DeepseekV4RotaryEmbedding + apply_rotary_pos_emb, float32: equal tables, equal rotation (forward
+    and inverse) on the trailing rope channels, for the plain (main) and the YaRN (compress) set."""
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding, apply_rotary_pos_emb
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    from ascend_adapters.deepseek_v4.model import apply_rope, deepseek_v4_rope
+
+    cfg = config_fn()
+    assert {cfg.rope_parameters[label]["rope_type"] for label in ("main", "compress")} == {"default", "yarn"}
+    ref = DeepseekV4RotaryEmbedding(cfg)
+    g = torch.Generator().manual_seed(3)
+    n = cfg.max_position_embeddings
+    positions = torch.cat([torch.arange(64), torch.randint(0, n, (64,), generator=g), torch.tensor([n - 1])])
+    x = torch.randn(positions.numel(), 3, cfg.head_dim, generator=g)
+    with set_current_vllm_config(VllmConfig()):
+        for label in ("main", "compress"):
+            rope = deepseek_v4_rope(cfg, label, n)
+            cos, sin = ref(x, positions[None], layer_type=label)
+            table = rope.cos_sin_cache[positions]
+            assert table.dtype == torch.float32
+            assert torch.equal(table, torch.cat([cos[0], sin[0]], dim=-1)), label
+            assert torch.equal(apply_rope(rope, positions, x), apply_rotary_pos_emb(x, cos[0], sin[0])), label
+            inv = apply_rope(rope, positions, x, inverse=True)
+            assert torch.equal(inv, apply_rotary_pos_emb(x, cos[0], -sin[0])), label
+            one_head = apply_rope(rope, positions, x[:, 0])  # [T, D]: the shared K=V head, the compressed entries
+            assert torch.equal(one_head, apply_rotary_pos_emb(x[:, :1], cos[0], sin[0])[:, 0]), label
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [({"attention_factor": 0.7}, "rope_parameters.compress.attention_factor"), ({"truncate": False}, "truncate")],
+)
+def test_rope_set_vllm_cannot_express_is_refused_naming_it(dirs, tmp_path, extra, named):
+    cfg = json.loads((dirs["tiny"] / "config.json").read_text())
+    cfg["rope_parameters"]["compress"].update(extra)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=re.escape(named)):
+        load_transformers_config(tmp_path)
 
 
 def test_startup_policy_wraps_vllms_hook():

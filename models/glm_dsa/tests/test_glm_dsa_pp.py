@@ -17,9 +17,9 @@ import os
 import pytest
 from _glm_dsa_ref import Reference, build, random_prompts
 
-from ascend_adapters.common.testing.evidence import EvidenceRecord
-from ascend_adapters.common.testing.parity import compare, vllm_logits
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.glm_dsa.tiny import TINY_CONFIG
+from ascend_adapters.testing.parity import compare, vllm_logits
 
 # float32: a pipeline split moves no arithmetic (each layer runs whole on one stage; the stages hand over
 # hidden states, residual and selection unchanged), so the single-process parity bound applies unchanged

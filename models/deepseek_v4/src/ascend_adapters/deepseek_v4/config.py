@@ -80,6 +80,68 @@ def rope_sets(config) -> dict:
     return nested if nested is not None else (config.rope_parameters or {})
 
 
+def vllm_rope_parameters(config, label: str, source: str = "config") -> dict:
+    """One rope set as ``rope_parameters`` for vLLM's DeepSeek-V4 rotary class (``get_rope``).
+
+    That class (``DeepseekV4ScalingRotaryEmbedding``) rotates the trailing ``rope_dim`` channels
+    with interleaved (GPT-J) pairs from a float32 cos/sin table, the way transformers' deepseek_v4
+    does. Its table is YaRN's; the two rope types map onto it exactly:
+
+    * ``default``: factor 1 makes YaRN's two frequency sets the same, and equal betas make the
+      blend weights exactly 0 or 1, so each frequency is the plain ``1/theta^(2i/d)`` bit for bit;
+    * ``yarn``: the same ``factor``/``beta_*``/``original_max_position_embeddings``; transformers'
+      ``attention_factor`` becomes vLLM's mscale ratio (``mscale``/``mscale_all_dim``). vLLM 0.32
+      has no free scale and always truncates the correction range, so an ``attention_factor``
+      other than 1.0 or the derived one, and ``truncate: false``, are refused.
+    """
+    params = rope_sets(config).get(label) or {}
+    where = f"{source}: rope_parameters.{label}"
+    rope_type = params.get("rope_type", "default")
+    if "rope_theta" not in params:
+        raise ValueError(f"{where}.rope_theta is missing")
+    out = {
+        "rope_type": "deepseek_yarn",
+        "is_deepseek_v4": True,
+        "rope_theta": params["rope_theta"],
+        "rope_dim": int(config.head_dim * params.get("partial_rotary_factor", 1.0)),
+        "mscale": 0,
+        "mscale_all_dim": 0,
+    }
+    if rope_type == "default":
+        return {
+            **out,
+            "factor": 1.0,
+            "original_max_position_embeddings": config.max_position_embeddings,
+            "beta_fast": 1,
+            "beta_slow": 1,
+        }
+    if rope_type != "yarn":
+        raise ValueError(
+            f"{where}.rope_type={rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    if params.get("truncate", True) is False:
+        raise ValueError(f"{where}.truncate=false is not supported (vLLM's YaRN table truncates the correction range)")
+    original = params["original_max_position_embeddings"]
+    factor = params.get("factor")
+    out.update(
+        factor=factor if factor is not None else config.max_position_embeddings / original,
+        original_max_position_embeddings=original,
+        beta_fast=params.get("beta_fast") or 32,
+        beta_slow=params.get("beta_slow") or 1,
+    )
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:  # transformers derives it: mscale ratio, else 0.1*ln(factor)+1
+        mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
+        both = bool(mscale and mscale_all_dim)
+        out.update(mscale=mscale if both else 1, mscale_all_dim=mscale_all_dim if both else 0)
+    elif attention_factor != 1.0:
+        raise ValueError(
+            f"{where}.attention_factor={attention_factor} is not supported: served are 1.0 (transformers' "
+            "DeepSeek-V4 default) or none (derived from factor, mscale and mscale_all_dim)"
+        )
+    return out
+
+
 def flatten_rope_for_vllm(config):
     """Keep the nested ``main``/``compress`` sets aside for the model and leave vLLM a flat one.
 
@@ -100,13 +162,7 @@ def validate_config(config, source: str = "config") -> None:
     if bad_layers:
         raise ValueError(f"{source}: unknown layer_types {bad_layers}")
     for label in ("main", "compress"):
-        rp = rope_sets(config).get(label) or {}
-        rt = rp.get("rope_type", "default")
-        if rt not in SUPPORTED_ROPE_TYPES:
-            raise ValueError(
-                f"{source}: rope_parameters.{label}.rope_type={rt!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
-            )
+        vllm_rope_parameters(config, label, source)
     if config.scoring_func not in ("sqrtsoftplus", "softmax", "sigmoid"):
         raise ValueError(f"{source}: scoring_func={config.scoring_func!r} is not supported")
     if config.num_key_value_heads != 1:

@@ -8,9 +8,10 @@
   layer only what its type needs (sliding: the window; CSA: window + ring of 2*rate inputs +
   tokens/rate entries + indexer keys; HCA: window + ring of rate inputs + tokens/rate entries), in
   ``dtype_bytes`` per value.
-* ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC float32), with the
-  routed experts split over ``ep`` devices and the attention / shared / embedding weights over
-  ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated).
+* ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC and router
+  float32), with the routed experts split over ``ep`` devices and the attention / shared / embedding
+  weights over ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated),
+  plus vLLM's float32 rotary cos/sin tables (one per rope set, ``rope_table_bytes``).
 * ``concurrency``: sequences whose state fits a device after its weights.
 """
 
@@ -18,7 +19,13 @@ from __future__ import annotations
 
 import math
 
-from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
+from ascend_adapters.deepseek_v4.config import (
+    LAYER_CSA,
+    LAYER_HCA,
+    LAYER_SLIDING,
+    compressed_enabled,
+    vllm_rope_parameters,
+)
 
 
 def state_dims(config, max_model_len: int) -> dict:
@@ -70,30 +77,41 @@ def paged_state_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
 
 def parameter_counts(config) -> dict:
     """Parameters by placement: ``experts`` (routed, split by EP), ``tp`` (split by TP), ``replicated``,
-    and ``mhc`` (replicated, kept float32 whatever the model dtype)."""
+    and ``float32`` (mHC and router, replicated, kept float32 whatever the model dtype)."""
     h, hd, nh = int(config.hidden_size), int(config.head_dim), int(config.num_attention_heads)
     ql, og, ol = int(config.q_lora_rank), int(config.o_groups), int(config.o_lora_rank)
     e, inter = int(config.n_routed_experts), int(config.moe_intermediate_size)
     ih, idim, n = int(config.index_n_heads), int(config.index_head_dim), int(config.hc_mult)
     shared = inter * max(1, int(config.n_shared_experts))
-    experts = tp = rep = mhc = 0
+    experts = tp = rep = f32 = 0
     for kind in config.layer_types:
         tp += ql * nh * hd + nh * hd * ol + og * ol * h + 3 * h * shared  # wq_b, wo_a, wo_b, shared expert
-        rep += h * ql + h * hd + e * h  # wq_a, wkv, router
-        mhc += 2 * (2 + n) * n * n * h  # attn_hc, ffn_hc
+        rep += h * ql + h * hd  # wq_a, wkv
+        f32 += e * h + 2 * (2 + n) * n * n * h  # router, attn_hc, ffn_hc
         experts += e * 3 * h * inter
         if kind == LAYER_CSA:
             rep += 2 * (2 * hd) * h + ql * ih * idim + h * ih + 2 * (2 * idim) * h  # compressor + indexer
         elif kind == LAYER_HCA:
             rep += 2 * hd * h
     tp += 2 * int(config.vocab_size) * h  # embedding + head (vocab-parallel)
-    mhc += n * n * h  # hc_head
-    return {"experts": experts, "tp": tp, "replicated": rep, "mhc": mhc}
+    f32 += n * n * h  # hc_head
+    return {"experts": experts, "tp": tp, "replicated": rep, "float32": f32}
+
+
+def rope_table_bytes(config) -> int:
+    """vLLM's rotary tables: per rope set, float32 cos and sin for original_max_position_embeddings x
+    factor positions (``deepseek_v4_rope``)."""
+    total = 0
+    for label in ("main", "compress"):
+        p = vllm_rope_parameters(config, label)
+        total += math.ceil(p["original_max_position_embeddings"] * p["factor"]) * p["rope_dim"] * 4
+    return total
 
 
 def weight_bytes_per_device(config, tp: int, ep: int, dtype_bytes: int = 2) -> int:
     c = parameter_counts(config)
-    return (c["experts"] // ep + c["tp"] // tp + c["replicated"]) * dtype_bytes + c["mhc"] * 4
+    per_device = (c["experts"] // ep + c["tp"] // tp + c["replicated"]) * dtype_bytes + c["float32"] * 4
+    return per_device + rope_table_bytes(config)
 
 
 def concurrency(config, max_model_len: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:

@@ -28,11 +28,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable
+from itertools import islice
 
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
@@ -44,13 +45,20 @@ from vllm.model_executor.layers.linear import (
 )
 from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.layers.mamba.abstract import MambaBase
+from vllm.model_executor.layers.rotary_embedding import get_rope
 from vllm.model_executor.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree
-from vllm.model_executor.models.utils import extract_layer_index, make_layers, maybe_prefix
+from vllm.model_executor.models.interfaces import HasInnerState, IsAttentionFree, SupportsPP
+from vllm.model_executor.models.utils import (
+    PPMissingLayer,
+    extract_layer_index,
+    is_pp_missing_parameter,
+    make_layers,
+    maybe_prefix,
+)
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import (
@@ -59,10 +67,9 @@ from ascend_adapters.deepseek_v4.config import (
     LAYER_SLIDING,
     RELEASE_QUANT_ATTR,
     compressed_enabled,
-    rope_sets,
+    vllm_rope_parameters,
 )
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
-from ascend_adapters.deepseek_v4.kernels import rope_cos_sin, rope_inv_freq
 from ascend_adapters.deepseek_v4.memory import state_dims, state_shapes
 from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.moe import DeepseekV4FloatMoEMethod, DeepseekV4MoE
@@ -93,16 +100,27 @@ def _sharded_loader(dim: int):
     return loader
 
 
-class _Rope:
-    """cos/sin tables for one rope-parameter set (``main`` or ``compress``)."""
-
-    def __init__(self, config, label: str):
-        self.inv_freq, self.scale = rope_inv_freq(
-            rope_sets(config)[label], config.head_dim, config.max_position_embeddings
+def deepseek_v4_rope(config, label: str, max_model_len: int) -> nn.Module:
+    """vLLM's DeepSeek-V4 rotary embedding for one rope set (``main`` or ``compress``), shared by
+    every layer that uses it (``get_rope`` caches it); see ``config.vllm_rope_parameters``."""
+    rope = get_rope(
+        config.head_dim,
+        max_position=config.max_position_embeddings,
+        rope_parameters=vllm_rope_parameters(config, label),
+        is_neox_style=False,
+    )
+    if rope.cos_sin_cache.shape[0] < max_model_len:
+        raise ValueError(
+            f"DeepSeek-V4 rope set {label!r} covers {rope.cos_sin_cache.shape[0]} positions "
+            f"(original_max_position_embeddings x factor), fewer than max_model_len={max_model_len}"
         )
+    return rope
 
-    def __call__(self, positions: torch.Tensor):
-        return rope_cos_sin(self.inv_freq, self.scale, positions)
+
+def apply_rope(rope: nn.Module, positions: torch.Tensor, x: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing rope channels of ``x`` (``[T, heads, D]``, or ``[T, D]`` for one head)."""
+    out, _ = rope(positions, x if x.dim() == 3 else x.unsqueeze(1), None, inverse=inverse)
+    return out.view_as(x)
 
 
 # ---------------------------------------------------------------- compressor / indexer
@@ -132,7 +150,7 @@ class DeepseekV4Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def pool(self, x: torch.Tensor, first_pos: int, rope: _Rope, has_prev: bool) -> torch.Tensor:
+    def pool(self, x: torch.Tensor, first_pos: int, rope: nn.Module, has_prev: bool) -> torch.Tensor:
         """Entries for the whole windows in ``x`` (rows from ``first_pos``, a window start).
 
         With overlap and ``has_prev`` the first window of ``x`` only feeds the next entry.
@@ -143,8 +161,7 @@ class DeepseekV4Compressor(nn.Module):
         out = self.kv_norm(pooled)
         first_w = first_pos // self.rate + (1 if (self.overlap and has_prev) else 0)
         pos = torch.arange(out.shape[0], device=x.device) * self.rate + first_w * self.rate
-        cos, sin = rope(pos)
-        return op("common.rope_interleaved")(out, cos, sin)
+        return apply_rope(rope, pos, out)
 
 
 class DeepseekV4Indexer(DeepseekV4Compressor):
@@ -253,10 +270,11 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             )
         # Checkpoint layer type: a CSA/HCA layer served window-only would silently change the model.
         self.ckpt_layer_type = config.layer_types[layer_idx]
-        self.rope = _Rope(config, "main" if self.ckpt_layer_type == LAYER_SLIDING else "compress")
-        self.rope_compress = _Rope(config, "compress")
-
         self.max_model_len = vllm_config.model_config.max_model_len
+        label = "main" if self.ckpt_layer_type == LAYER_SLIDING else "compress"
+        self.rotary_emb = deepseek_v4_rope(config, label, self.max_model_len)
+        # compressed entries and the indexer's queries always take the compress set
+        self.compress_rotary_emb = deepseek_v4_rope(config, "compress", self.max_model_len)
         self._shapes = state_shapes(config, self.max_model_len)
         self._dims = state_dims(config, self.max_model_len)
         cc = vllm_config.compilation_config
@@ -328,9 +346,9 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 rows = torch.cat([old, x[: stop - pos0]], 0)
             else:
                 rows = x[start - pos0 : stop - pos0]
-            new_c = comp.pool(rows, start, self.rope_compress, has_prev)
+            new_c = comp.pool(rows, start, self.compress_rotary_emb, has_prev)
             if overlap:
-                new_i = comp.indexer.pool(rows, start, self.rope_compress, has_prev)
+                new_i = comp.indexer.pool(rows, start, self.compress_rotary_emb, has_prev)
         if state is None:  # stateless (profile) run: this chunk alone, from position pos0
             ent = new_c if new_c is not None else x.new_zeros((0, self.head_dim))
             idx = new_i if new_i is not None else None
@@ -348,9 +366,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         """Lightning indexer: keep the top-k visible compressed entries per query."""
         ind = self.compressor.indexer
         n = x.shape[0]
-        qi = ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim)
-        cos, sin = self.rope_compress(qpos)
-        qi = op("common.rope_interleaved")(qi, cos, sin)
+        qi = apply_rope(self.compress_rotary_emb, qpos, ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim))
         w = ind.weights_proj(x)
         scores = op("dsv4.indexer_scores")(qi, idx_entries, w, ind.softmax_scale, ind.weights_scale)
         scores = scores.masked_fill(~visible, float("-inf"))
@@ -368,9 +384,8 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         qr = self.q_a_norm(q_a)
         q = self.q_b_proj(qr).view(t, self.n_heads, self.head_dim)
         q = op("dsv4.rms_norm")(q, None, self.eps)
-        cos, sin = self.rope(positions)
-        q = op("common.rope_interleaved")(q, cos, sin)
-        kv = op("common.rope_interleaved")(self.kv_norm(kv), cos, sin)
+        q, kv = self.rotary_emb(positions, q, self.kv_norm(kv).unsqueeze(1))
+        kv = kv.squeeze(1)
 
         out = torch.empty_like(q)
         md = get_forward_context().attn_metadata
@@ -387,7 +402,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
                 state = [s[slots[i]] for s in self.kv_cache]
                 out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
         # K = V carried rope on its trailing slice: undo it at the query position.
-        out = op("common.rope_interleaved")(out, cos, -sin)
+        out = apply_rope(self.rotary_emb, positions, out, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)
         o = op("dsv4.grouped_linear")(grouped, self.o_a_proj.weight, self.o_groups)
         return self.o_b_proj(o)
@@ -444,21 +459,31 @@ class DeepseekV4Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         self.hc_mult = config.hc_mult
-        self.embed_tokens = VocabParallelEmbedding(
-            config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
-        )
+        pp = get_pp_group()
+        # Pipeline stages: embeddings on the first, norm + hc_head on the last; the mHC streams
+        # ([tokens, hc_mult, hidden]) travel between them as intermediate tensors.
+        if pp.is_first_rank:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")
+            )
+        else:
+            self.embed_tokens = PPMissingLayer()
         self.start_layer, self.end_layer, self.layers = make_layers(
             config.num_hidden_layers,
             lambda prefix: DeepseekV4DecoderLayer(config, extract_layer_index(prefix), quant_config, prefix),
             prefix=maybe_prefix(prefix, "layers"),
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.hc_head = nn.Module()
-        n, f32 = config.hc_mult, torch.float32
-        self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=f32))
-        self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
-        self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
-        self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        if pp.is_last_rank:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+            self.hc_head = nn.Module()
+            n, f32 = config.hc_mult, torch.float32
+            self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * config.hidden_size, dtype=f32))
+            self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
+            self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
+            self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        else:
+            self.norm = PPMissingLayer()
+            self.hc_head = PPMissingLayer()
         self.expert_mapping = fused_moe_make_expert_params_mapping(
             self,
             ckpt_gate_proj_name=EXPERT_GATE,
@@ -467,11 +492,23 @@ class DeepseekV4Model(nn.Module):
             num_experts=config.n_routed_experts,
         )
 
-    def forward(self, input_ids, positions, inputs_embeds=None):
-        x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
-        streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
-        for layer in self.layers[self.start_layer : self.end_layer]:
+    def make_empty_intermediate_tensors(
+        self, batch_size: int, dtype: torch.dtype, device: torch.device
+    ) -> IntermediateTensors:
+        shape = (batch_size, self.hc_mult, self.config.hidden_size)
+        return IntermediateTensors({"hidden_states": torch.zeros(shape, dtype=dtype, device=device)})
+
+    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+        if get_pp_group().is_first_rank:
+            x = inputs_embeds if inputs_embeds is not None else self.embed_tokens(input_ids)
+            streams = x.unsqueeze(1).expand(-1, self.hc_mult, -1).contiguous()
+        else:
+            streams = intermediate_tensors["hidden_states"]
+        # every stage gets the token ids (hash-routed layers read tid2eid[token])
+        for layer in islice(self.layers, self.start_layer, self.end_layer):
             streams = layer(streams, positions, input_ids)
+        if not get_pp_group().is_last_rank:
+            return IntermediateTensors({"hidden_states": streams})
         h = self.hc_head_op(
             streams,
             self.hc_head.hc_fn,
@@ -495,10 +532,11 @@ class DeepseekV4Model(nn.Module):
                 num_experts=self.config.n_routed_experts,
             )
             for name, tensor in weights
+            if not is_pp_missing_parameter(name, self)  # another stage's (logged by the checkpoint loader)
         }
 
 
-class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
+class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP):
     # checkpoint names -> this model's; vLLM renames a ModelSlim description with it too
     hf_to_vllm_mapper = weights_mapper()
     # fused module -> the shard names its checkpoint tensors (and description entries) keep
@@ -511,12 +549,24 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         quant_config = vllm_config.quant_config
         self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        if quant_config is not None and getattr(quant_config, "description", None) is not None:
-            _check_description_covered(self, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        pp = get_pp_group()
+        if pp.world_size > 1:
+            cpu_patches.enable_cpu_pipeline_receive_buffers()
+        if pp.is_last_rank:
+            self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
+        else:
+            self.lm_head = PPMissingLayer()
         if getattr(config, "tie_word_embeddings", False):
+            if pp.world_size > 1:
+                raise ValueError(
+                    "DeepSeek-V4 with tie_word_embeddings: pipeline parallelism is not supported (the head "
+                    "would need the embedding of the first stage on the last)"
+                )
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.make_empty_intermediate_tensors = self.model.make_empty_intermediate_tensors
+        if quant_config is not None and getattr(quant_config, "description", None) is not None:
+            _check_description_covered(self, quant_config)
 
     # vLLM's state-cache sizing asks the class before the model exists.
     @classmethod
@@ -538,8 +588,8 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree):
         intermediate_tensors: IntermediateTensors | None = None,
         inputs_embeds: torch.Tensor | None = None,
         **kwargs,
-    ) -> torch.Tensor:
-        return self.model(input_ids, positions, inputs_embeds)
+    ) -> torch.Tensor | IntermediateTensors:
+        return self.model(input_ids, positions, intermediate_tensors, inputs_embeds)
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
@@ -575,7 +625,11 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
             )
     desc = quant_config.description
     mtp = mtp_patterns(model.config)  # skipped on load, quantized or not
-    stray = sorted(p for p in desc.quantized_weights() if p not in covered and not any(r.search(p) for r in mtp))
+
+    def elsewhere(p: str) -> bool:  # an MTP layer, or a layer of another pipeline stage
+        return any(r.search(p) for r in mtp) or is_pp_missing_parameter(p, model)
+
+    stray = sorted(p for p in desc.quantized_weights() if p not in covered and not elsewhere(p))
     if stray:
         raise ValueError(
             f"{desc.source}: {stray[0]}.weight is {desc.quantized_weights()[stray[0]]}, but the "

@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from vllm.model_executor.layers.fused_moe import FusedMoEFactory, RoutedExperts
+from vllm.model_executor.layers.fused_moe import FusedMoEFactory, GateLinear, RoutedExperts
 from vllm.model_executor.layers.fused_moe.config import FusedMoEQuantConfig, RoutingMethodType
 from vllm.model_executor.layers.fused_moe.fused_moe_method_base import FusedMoEMethodBase
 from vllm.model_executor.layers.fused_moe.router.fused_moe_router import FusedMoERouter
 from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
-from vllm.model_executor.layers.linear import MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
 from vllm.model_executor.utils import set_weight_attrs
 
 from ascend_adapters.common import dispatch
@@ -124,6 +124,29 @@ class DeepseekV4RoutedExperts(RoutedExperts):
         return method
 
 
+class ClampedSwiGLU(nn.Module):
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)`` on ``[gate | up]``.
+
+    vLLM's ``SiluAndMulWithClamp`` computes ``gate * sigmoid(gate)``, which rounds differently from
+    transformers' ``silu(gate)`` (in bfloat16 by one more rounding); this keeps transformers' order.
+    """
+
+    def __init__(self, limit: float | None):
+        super().__init__()
+        self.limit = limit
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return op("common.swiglu")(gate_up, self.limit)
+
+
+class DeepseekV4SharedExpert(DeepseekV2MLP):
+    """vLLM's DeepSeek MLP (fused gate/up, TP-sharded) with DeepSeek-V4's clamped SwiGLU."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, limit: float | None, quant_config, prefix: str):
+        super().__init__(hidden_size, intermediate_size, "silu", quant_config=quant_config, prefix=prefix)
+        self.act_fn = ClampedSwiGLU(limit)
+
+
 class DeepseekV4MoE(nn.Module):
     """Router gate (float32 logits), routed experts on FusedMoE, and the shared expert (TP-sharded)."""
 
@@ -138,8 +161,10 @@ class DeepseekV4MoE(nn.Module):
         self.normalize = bool(getattr(config, "norm_topk_prob", True))
         self.limit = config.swiglu_limit
         h, inter = config.hidden_size, config.moe_intermediate_size
-        self.gate = nn.Module()
-        self.gate.weight = nn.Parameter(torch.empty(self.n_experts, h), requires_grad=False)
+        # float32 weight and logits, as DeepSeek's reference scores experts
+        self.gate = GateLinear(
+            h, self.n_experts, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix=f"{prefix}.gate"
+        )
         if self.is_hash:
             self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
@@ -160,24 +185,8 @@ class DeepseekV4MoE(nn.Module):
         )
         # a monolithic quant method on an engine without a CPU router routes with it (compat.moe_select_experts)
         self.experts.routed_experts.model_router = router
-        shared = inter * max(1, config.n_shared_experts)
-        self.shared_experts = nn.Module()
-        self.shared_experts.gate_up_proj = MergedColumnParallelLinear(
-            h,
-            [shared, shared],
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.shared_experts.gate_up_proj",
-            return_bias=False,
-        )
-        self.shared_experts.down_proj = RowParallelLinear(
-            shared,
-            h,
-            bias=False,
-            quant_config=quant_config,
-            prefix=f"{prefix}.shared_experts.down_proj",
-            return_bias=False,
-            reduce_results=True,
+        self.shared_experts = DeepseekV4SharedExpert(
+            h, inter * max(1, config.n_shared_experts), self.limit, quant_config, f"{prefix}.shared_experts"
         )
 
     @property
@@ -185,9 +194,8 @@ class DeepseekV4MoE(nn.Module):
         return self.experts.routed_experts
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
-        logits = torch.nn.functional.linear(x.float(), self.gate.weight.float())
+        logits, _ = self.gate(x)
         routed = self.experts(hidden_states=x, router_logits=logits, input_ids=input_ids)
         if isinstance(routed, tuple):  # (shared, routed) when a runner owns shared experts; ours does not
             routed = routed[-1]
-        shared = op("common.swiglu")(self.shared_experts.gate_up_proj(x), self.limit)
-        return routed + self.shared_experts.down_proj(shared)
+        return routed + self.shared_experts(x)
