@@ -261,9 +261,7 @@ def main() -> int:
         run.ratio("header_checks_vs_safetensors_lib", h["inspect_s"], h["safetensors_lib_s"],
                   "safetensors safe_open headers", tensors=h["tensors"],
                   ours_ms_per_GiB=round(h["inspect_ms_per_GiB"], 3))  # fmt: skip
-    path = run.write(args.evidence_dir)
-    if path:
-        print(f"evidence record: {path}")
+    run.write(args.evidence_dir)
     return 0
 
 

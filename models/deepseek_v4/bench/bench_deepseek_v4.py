@@ -233,9 +233,7 @@ def main() -> int:
     run.rec.notes.append("the engines ran one after another in this run, each in its own process (not interleaved)")
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
-    path = run.write(args.evidence_dir)
-    if path:
-        print(f"evidence record: {path}")
+    run.write(args.evidence_dir)
     return 0
 
 

@@ -116,6 +116,30 @@ def load_stacked_or_expert(
     return name
 
 
+def load_module_tensors(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    *,
+    stacked_params: Iterable[tuple[str, str, object]] = (),
+    expert_mapping: Iterable[tuple[str, str, int, str]] = (),
+    num_experts: int = 0,
+) -> set[str]:
+    """A model's inner ``load_weights``: each (mapped) tensor into the module's parameters and persistent
+    buffers through ``load_stacked_or_expert``; returns the names loaded."""
+    tensors = {**dict(module.named_buffers()), **dict(module.named_parameters())}
+    return {
+        load_stacked_or_expert(
+            tensors,
+            name,
+            tensor,
+            stacked_params=stacked_params,
+            expert_mapping=expert_mapping,
+            num_experts=num_experts,
+        )
+        for name, tensor in weights
+    }
+
+
 def load_checkpoint(
     model: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],

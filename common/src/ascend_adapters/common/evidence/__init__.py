@@ -394,7 +394,10 @@ class BenchRun:
                 f"1-minute load average reached {busiest} on {os.cpu_count()} CPUs: the machine was busy, "
                 "absolute times are low; ratios were measured side by side (interleaved) in the same run"
             )
-        return self.rec.write(root) if root else None
+        path = self.rec.write(root) if root else None
+        if path:
+            print(f"evidence record: {path}")
+        return path
 
 
 def add_evidence_dir_argument(parser) -> None:

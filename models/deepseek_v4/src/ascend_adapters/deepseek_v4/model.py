@@ -59,7 +59,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import cpu_patches, dispatch
-from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
+from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.config import (
     LAYER_CSA,
@@ -520,20 +520,15 @@ class DeepseekV4Model(nn.Module):
         return self.norm(h)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Mapped names (see remap.py): fused shards and routed experts stacked the vLLM way."""
-        tensors = {**dict(self.named_parameters()), **dict(self.named_buffers())}
-        return {
-            load_stacked_or_expert(
-                tensors,
-                name,
-                tensor,
-                stacked_params=STACKED_PARAMS,
-                expert_mapping=self.expert_mapping,
-                num_experts=self.config.n_routed_experts,
-            )
-            for name, tensor in weights
-            if not is_pp_missing_parameter(name, self)  # another stage's (logged by the checkpoint loader)
-        }
+        """Mapped names (see remap.py): fused shards and routed experts stacked the vLLM way (another
+        stage's tensors never reach here: the checkpoint loader skips them with the reason)."""
+        return load_module_tensors(
+            self,
+            weights,
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.expert_mapping,
+            num_experts=self.config.n_routed_experts,
+        )
 
 
 class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP):

@@ -52,7 +52,7 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, cpu_patches, dispatch
-from ascend_adapters.common.loading import load_checkpoint, load_stacked_or_expert
+from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
 from ascend_adapters.glm_dsa.config import (
@@ -579,18 +579,13 @@ class GlmDsaModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Checkpoint tensors (names below ``model.``) into the parameters, as vLLM's deepseek_v2 does:
         ``gate_proj``/``up_proj`` into the stacked ``gate_up_proj``, per-expert tensors into FusedMoE."""
-        params = dict(self.named_parameters())
-        return {
-            load_stacked_or_expert(
-                params,
-                name,
-                tensor,
-                stacked_params=STACKED_PARAMS,
-                expert_mapping=self.expert_params_mapping,
-                num_experts=self.config.n_routed_experts,
-            )
-            for name, tensor in weights
-        }
+        return load_module_tensors(
+            self,
+            weights,
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.expert_params_mapping,
+            num_experts=self.config.n_routed_experts,
+        )
 
 
 class GlmMoeDsaForCausalLM(nn.Module, SupportsPP):
