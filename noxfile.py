@@ -118,8 +118,16 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: str 
     return python
 
 
+def _named_test_paths(args: list[str]) -> bool:
+    """Whether pytest arguments name test files or folders (``tests/test_x.py``, ``dir::test``): then
+    they replace the default test folders instead of adding to them."""
+    return any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in args)
+
+
 def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
     args = session.posargs or []
+    if _named_test_paths(args):
+        paths = []
     session.run(
         str(python),
         "-m",
@@ -180,7 +188,7 @@ def compat(session: nox.Session) -> None:
             "--durations=15",
             "-m",
             "gate",
-            *_tests_of(list(PACKAGES)),
+            *([] if _named_test_paths(args) else _tests_of(list(PACKAGES))),
             *args,
             env=TEST_ENV,
             external=True,
