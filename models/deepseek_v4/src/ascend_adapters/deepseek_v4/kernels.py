@@ -2,9 +2,9 @@
 
 Each op is registered with ``@dispatch.portable``. Everything runs in float32 where the reference
 does (norms, mHC weights, router scores, softmaxes). The ops DeepSeek-V4 shares with the other
-adapters live in ``ascend_adapters.common.kernels``: interleaved RoPE (``common.rope_interleaved``),
-the clamped SwiGLU (``common.swiglu``) and the routed float experts (``common.swiglu_experts``), each
-with its NPU twin.
+adapters live in ``ascend_adapters.common.kernels``: the clamped SwiGLU (``common.swiglu``) and the
+routed float experts (``common.swiglu_experts``), each with its NPU twin; RoPE is vLLM's
+``DeepseekV4ScalingRotaryEmbedding`` (``model.py``).
 
 NPU twins of this model's own hot ops (op-plugin docs/zh/custom_APIs/torch_npu, searched for each):
 
