@@ -15,6 +15,9 @@
   same); the distance to the int8 reference is reported, not bounded: with these prompts one
   activation lands on an int8 rounding boundary and both engines differ from the reference by the
   same ~1e-2 there (measured), which is quantization, not pipelining.
+* TP=2 x PP=2: four ranks (two per core), both splits at once on this MoE model; logits within
+  1e-3 of transformers, batched and with chunked prefill (the bound of both splits: each only
+  reorders float32 additions or hands tensors over unchanged).
 * EP=2 (``--enable-expert-parallel``): each rank holds half of the routed experts. Run through a
   ModelSlim W8A8_DYNAMIC export of the routed experts (common's MoE kernel under ``expert_map``)
   and through the float checkpoint (this adapter's clamped-SwiGLU kernel under ``expert_map``).
@@ -151,6 +154,29 @@ def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
     rec.write(evidence_root)
     assert ok_l and ok_t, rep.as_dict()
     assert ok_s, (stages, expected)
+
+
+@pytest.mark.vllm
+def test_tp2_x_pp2_matches_transformers(tiny, evidence_root):
+    model_dir, ref = tiny
+    cpus = _two_cpus()["VLLM_CPU_OMP_THREADS_BIND"].split("|")
+    ps = prompts(LENGTHS, seed=18)
+    kwargs = {**_parallel(), "pipeline_parallel_size": 2}
+    rec = EvidenceRecord(model="deepseek_v4", gate="tp2_x_pp2")
+    rec.command(
+        f"vllm.LLM({model_dir}, float32, {kwargs}) batched, greedy {MAX_TOKENS} tokens, raw logits; "
+        "reference transformers float32"
+    )
+    env = {"VLLM_CPU_OMP_THREADS_BIND": "|".join([*cpus, *cpus])}  # four ranks on two cores
+    res = vllm_logits(model_dir, [ps], max_tokens=MAX_TOKENS, llm_kwargs=kwargs, env=env)
+    rep = compare(res[0], ref)
+    rec.metric("prompt_lengths", list(LENGTHS))
+    rec.metric("max_abs_diff_vs_transformers", rep.max_abs_diff)
+    rec.metric("per_sequence_vs_transformers", rep.per_sequence)
+    ok_l = rec.check("TP=2 x PP=2 logits within 1e-3 of transformers", rep.max_abs_diff < TOL)
+    ok_t = rec.check("TP=2 x PP=2 greedy tokens identical to transformers", rep.tokens_identical, rep.first_divergence)
+    rec.write(evidence_root)
+    assert ok_l and ok_t, rep.as_dict()
 
 
 @pytest.mark.vllm
