@@ -25,6 +25,16 @@ holds the embedding (and layer 0's ``pre_norm``), the last the final norm and th
 head, and each stage the state cache of its own layers only. A stage hands the
 next one the residual stream and ``v_first``, layer 0's value, which every later
 time-mix mixes in.
+
+Compilation (vLLM's ``@support_torch_compile`` on ``Rwkv7Model``): everything that reads
+or writes the per-sequence state is one of two registered custom ops that write their
+outputs in place (``vllm::rwkv7_token_shift``, ``vllm::rwkv7_wkv``; the policy lists them
+as splitting ops, like vLLM's ``linear_attention``), and the compiled graph holds the
+projections, norms and mixes between them. Both ops read the step from vLLM's LINEAR
+backend metadata; a decode-only step (every request one token) reads no device value on
+the host, so it is safe to capture as a graph, as that backend declares
+(``UNIFORM_SINGLE_TOKEN_DECODE``). A step with prefills reads the prefill boundaries on the
+host inside the ops (those steps run the ops eagerly between graph pieces).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (
     get_pp_group,
@@ -66,6 +77,7 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import cpu_patches, dispatch
@@ -96,58 +108,95 @@ def state_bytes_per_sequence(config, model_dtype: torch.dtype = torch.float32) -
 
 @dataclass
 class _Batch:
-    """How the flat token batch splits into sequences, from the LINEAR backend's metadata."""
+    """How the flat token batch splits into sequences, from the LINEAR backend's metadata.
+
+    ``starts``/``ends``/``prefill_cu`` (host values) exist only for a step with prefills; a
+    decode-only step is described by device tensors alone (capture-safe).
+    """
 
     num_tokens: int
     num_decodes: int
-    starts: list[int]
-    ends: list[int]
+    num_prefills: int
     slots: torch.Tensor  # [num_reqs] state-cache rows
     fresh: torch.Tensor  # [num_reqs] bool: no context before this step (state must start at zero)
-    any_fresh: bool
     first: torch.Tensor  # [num_reqs] index of each sequence's first token
     last: torch.Tensor  # [num_reqs] index of each sequence's last token
-    prefill_cu: torch.Tensor  # [num_prefills + 1] prefill starts relative to the first prefill token
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+    prefill_cu: torch.Tensor | None = None  # [num_prefills + 1] prefill starts relative to the first prefill
 
     @property
     def prefill_start(self) -> int:
-        return self.starts[self.num_decodes] if len(self.starts) > self.num_decodes else self.num_tokens
+        return self.starts[self.num_decodes] if self.num_prefills else self.num_tokens
 
     @classmethod
     def from_metadata(cls, md) -> _Batch:
-        qsl = md.query_start_loc.tolist()
-        num_reqs = md.num_decodes + md.num_prefills
-        qsl = qsl[: num_reqs + 1]
-        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
-        seq_lens = md.seq_lens[:num_reqs].to("cpu", torch.long)
-        fresh = (seq_lens - q_lens) <= 0
+        nd, npf = md.num_decodes, md.num_prefills
+        num_reqs = nd + npf
         slots = md.state_indices_tensor[:num_reqs].long()
-        starts = torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device)
-        p0 = qsl[md.num_decodes]
+        if npf == 0:  # decodes only: one token per request, nothing read on the host
+            pos = torch.arange(nd, device=slots.device)
+            return cls(md.num_decode_tokens, nd, 0, slots, (md.seq_lens[:nd] <= 1).to(slots.device), pos, pos)
+        qsl = md.query_start_loc[: num_reqs + 1].tolist()
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
+        fresh = (md.seq_lens[:num_reqs].to("cpu", torch.long) - q_lens) <= 0
+        p0 = qsl[nd]
         return cls(
             num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
-            num_decodes=md.num_decodes,
-            starts=qsl[:-1],
-            ends=qsl[1:],
+            num_decodes=nd,
+            num_prefills=npf,
             slots=slots,
             fresh=fresh.to(slots.device),
-            any_fresh=bool(fresh.any()),
-            first=starts,
+            first=torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device),
             last=torch.tensor(qsl[1:], dtype=torch.long, device=slots.device) - 1,
-            prefill_cu=torch.tensor([q - p0 for q in qsl[md.num_decodes :]], dtype=torch.long),
+            starts=qsl[:-1],
+            ends=qsl[1:],
+            prefill_cu=torch.tensor([q - p0 for q in qsl[nd:]], dtype=torch.long),
         )
 
 
-def _token_shift(x: torch.Tensor, shift_state: torch.Tensor | None, batch: _Batch | None) -> torch.Tensor:
-    """Previous token's input for every token; the first token of a sequence takes the stored one."""
-    prev = torch.empty_like(x)
-    prev[1:] = x[:-1]
-    if batch is None:
-        prev[0] = 0
-        return prev
-    prev[batch.first] = shift_state[batch.slots].to(x.dtype)
-    shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
-    return prev
+# The step's batch, split once for all layers of a state-cache group (they share one metadata object).
+_step_batch: tuple[object, _Batch] | None = None
+
+
+def _batch_of(md) -> _Batch:
+    global _step_batch
+    if _step_batch is None or _step_batch[0] is not md:
+        _step_batch = (md, _Batch.from_metadata(md))
+    return _step_batch[1]
+
+
+def _zero_fresh(states: tuple[torch.Tensor, ...], batch: _Batch) -> None:
+    """A request with no context starts from zero state (its slot may hold a finished request's)."""
+    for state in states:
+        keep = ~batch.fresh.view(-1, *([1] * (state.dim() - 1)))
+        state[batch.slots] = state[batch.slots] * keep
+
+
+def rwkv7_token_shift(x: torch.Tensor, prev: torch.Tensor, layer_name: str, state_index: int) -> None:
+    """``prev``: the previous token's ``x`` for every token; a sequence's first token takes its stored
+    one, and its last token's ``x`` is stored (state ``state_index`` of the layer's cache)."""
+    get_forward_context().no_compile_layers[layer_name].token_shift(x, prev, state_index)
+
+
+def rwkv7_wkv(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    y: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """``y`` ([T, H, N] float32): the WKV-7 output of every token, each sequence from its stored state."""
+    get_forward_context().no_compile_layers[layer_name].wkv(r, w, k, v, a, b, y)
+
+
+direct_register_custom_op(op_name="rwkv7_token_shift", op_func=rwkv7_token_shift, mutates_args=["prev"])
+direct_register_custom_op(op_name="rwkv7_wkv", op_func=rwkv7_wkv, mutates_args=["y"])
+# where the compiled graph splits (the policy adds them to vLLM's splitting ops)
+STATE_OPS = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
 
 
 class Rwkv7LoRA(nn.Module):
