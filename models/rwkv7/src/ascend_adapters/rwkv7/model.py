@@ -275,10 +275,12 @@ class Rwkv7TimeMix(nn.Module):
         self.g_norm = Rwkv7GroupNorm(self.num_heads, self.num_heads * n, self.group_norm_eps)
         self.batched_prefill = True  # False: today's per-sequence loop (kept as the bench's comparison point)
 
-    def forward(self, x, v_first, shift_state, wkv_state, batch: _Batch | None):
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, layer_name: str):
         T = x.shape[0]
         H, N = self.num_heads, self.head_dim
-        xx = _token_shift(x, shift_state, batch) - x
+        prev = torch.empty_like(x)
+        torch.ops.vllm.rwkv7_token_shift(x, prev, layer_name, 0)
+        xx = prev - x
         xr, xw, xk, xv, xa, xg = (
             torch.addcmul(x, xx, m) for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g)
         )
@@ -294,37 +296,13 @@ class Rwkv7TimeMix(nn.Module):
             v_first = v
         else:
             v = v + (v_first - v) * torch.sigmoid(self.v_lora(xv))
-        y = self._wkv(r, w, k, v, -kk, kk * a, wkv_state, batch).to(x.dtype)
-        y = self.g_norm(y)
+        y = torch.empty(T, H, N, dtype=torch.float32, device=x.device)
+        r3, w3, k3, v3, a3, b3 = (t.reshape(T, H, N) for t in (r, w, k, v, -kk, kk * a))
+        torch.ops.vllm.rwkv7_wkv(r3, w3, k3, v3, a3, b3, y, layer_name)
+        y = self.g_norm(y.reshape(T, H * N).to(x.dtype))
         y = y + ((r * k * self.r_k.view(-1)).view(T, H, N).sum(-1, keepdim=True) * v.view(T, H, N)).view(T, -1)
         out, _ = self.o_proj(y * g)
         return out, v_first
-
-    def _wkv(self, r, w, k, v, a, b, wkv_state, batch: _Batch | None) -> torch.Tensor:
-        T, H, N = r.shape[0], self.num_heads, self.head_dim
-        r, w, k, v, a, b = (t.view(T, H, N) for t in (r, w, k, v, a, b))
-        chunk = dispatch.op("rwkv7.wkv_chunk")
-        if batch is None:  # dummy/profiling run: one sequence, fresh state, nothing stored
-            return chunk(r, w, k, v, a, b, output_final_state=False)[0].reshape(T, H * N)
-        y = torch.empty(T, H, N, dtype=torch.float32, device=r.device)
-        nd = batch.num_decodes
-        if nd:
-            slots = batch.slots[:nd]
-            state = wkv_state[slots]
-            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
-            wkv_state[slots] = state
-        if len(batch.starts) > nd and self.batched_prefill:  # every prefill of the step in one call
-            s, e, slots = batch.prefill_start, batch.num_tokens, batch.slots[nd:]
-            y[s:e], final = chunk(
-                r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slots], cu_seqlens=batch.prefill_cu
-            )
-            wkv_state[slots] = final
-        elif len(batch.starts) > nd:
-            for i in range(nd, len(batch.starts)):
-                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
-                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
-                wkv_state[slot] = final
-        return y.reshape(T, H * N)
 
 
 class Rwkv7ChannelMix(nn.Module):
@@ -335,8 +313,10 @@ class Rwkv7ChannelMix(nn.Module):
         self.key = ColumnParallelLinear(c, i, bias=False, quant_config=quant_config, prefix=f"{prefix}.key")
         self.value = RowParallelLinear(i, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.value")
 
-    def forward(self, x, shift_state, batch: _Batch | None):
-        xk = torch.addcmul(x, _token_shift(x, shift_state, batch) - x, self.x_k)
+    def forward(self, x: torch.Tensor, layer_name: str):
+        prev = torch.empty_like(x)
+        torch.ops.vllm.rwkv7_token_shift(x, prev, layer_name, 2)
+        xk = torch.addcmul(x, prev - x, self.x_k)
         h, _ = self.key(xk)
         out, _ = self.value(torch.relu(h).square())
         return out
@@ -372,46 +352,64 @@ class Rwkv7Block(nn.Module, MambaBase):
     def get_state_dtype(self):
         return state_dtypes(self.model_dtype)
 
-    # ---
-    def _batch(self, cache: dict) -> _Batch | None:
+    # --- the state ops' bodies (run outside the compiled graph pieces)
+    def _step(self) -> _Batch | None:
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.prefix)
-        if md is None or not self.kv_cache:
+        if md is None or not self.kv_cache:  # dummy/profiling run: one sequence, fresh state, nothing stored
             return None
-        # layers of one state-cache group share one metadata object: split the batch once per step
-        if id(md) not in cache:
-            cache[id(md)] = _Batch.from_metadata(md)
-        return cache[id(md)]
+        return _batch_of(md)
 
-    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, batch_cache: dict | None = None):
-        batch = self._batch({} if batch_cache is None else batch_cache)
+    def token_shift(self, x: torch.Tensor, prev: torch.Tensor, state_index: int) -> None:
+        batch = self._step()
+        prev[0] = 0
+        prev[1:] = x[:-1]
         if batch is None:
-            att_shift = wkv_state = ffn_shift = None
-            n = x.shape[0]
-        else:
-            att_shift, wkv_state, ffn_shift = self.kv_cache
-            if batch.any_fresh:
-                fresh = batch.slots[batch.fresh]
-                att_shift[fresh] = 0
-                wkv_state[fresh] = 0
-                ffn_shift[fresh] = 0
-            n = batch.num_tokens
-        out = torch.zeros_like(x)
-        h = x[:n]
-        if self.layer_id == 0:
-            h = self.pre_norm(h)
-        vf = v_first[:n] if v_first is not None else None
-        a, vf = self.attn(self.attn_norm(h), vf, att_shift, wkv_state, batch)
+            return
+        if state_index == 0:  # the layer's first state op: fresh requests start from zero state
+            _zero_fresh(self.kv_cache, batch)
+        shift_state = self.kv_cache[state_index]
+        prev[batch.first] = shift_state[batch.slots].to(x.dtype)
+        shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
+
+    def wkv(self, r, w, k, v, a, b, y: torch.Tensor) -> None:
+        chunk = dispatch.op("rwkv7.wkv_chunk")
+        batch = self._step()
+        if batch is None:
+            y.copy_(chunk(r, w, k, v, a, b, output_final_state=False)[0])
+            return
+        wkv_state = self.kv_cache[1]
+        nd, n = batch.num_decodes, batch.num_tokens
+        y[n:] = 0  # padding rows
+        if nd:
+            slots = batch.slots[:nd]
+            state = wkv_state[slots]
+            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
+            wkv_state[slots] = state
+        if batch.num_prefills and self.attn.batched_prefill:  # every prefill of the step in one call
+            s, slots = batch.prefill_start, batch.slots[nd:]
+            y[s:n], final = chunk(
+                r[s:n], w[s:n], k[s:n], v[s:n], a[s:n], b[s:n], wkv_state[slots], cu_seqlens=batch.prefill_cu
+            )
+            wkv_state[slots] = final
+        elif batch.num_prefills:
+            for i in range(nd, len(batch.starts)):
+                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
+                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
+                wkv_state[slot] = final
+
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
+        h = self.pre_norm(x) if self.layer_id == 0 else x
+        a, v_first = self.attn(self.attn_norm(h), v_first, self.prefix)
         h = h + a
-        h = h + self.ffn(self.ffn_norm(h), ffn_shift, batch)
-        out[:n] = h
-        if v_first is None:  # this rank's channels of layer 0's value
-            v_first = x.new_zeros(x.shape[0], vf.shape[1])
-        v_first[:n] = vf
-        return out, v_first
+        h = h + self.ffn(self.ffn_norm(h), self.prefix)
+        return h, v_first
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class Rwkv7Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -447,16 +445,21 @@ class Rwkv7Model(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         if get_pp_group().is_first_rank:
             x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             v_first = None
         else:
             x = intermediate_tensors["hidden_states"]
             v_first = _rank_channels(intermediate_tensors["v_first"])
-        batch_cache = {}
         for layer in self.layers[self.start_layer : self.end_layer]:
-            x, v_first = layer(x, v_first, batch_cache)
+            x, v_first = layer(x, v_first)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": x, "v_first": _all_channels(v_first)})
         return self.norm(x)
