@@ -25,6 +25,16 @@ holds the embedding (and layer 0's ``pre_norm``), the last the final norm and th
 head, and each stage the state cache of its own layers only. A stage hands the
 next one the residual stream and ``v_first``, layer 0's value, which every later
 time-mix mixes in.
+
+Compilation (vLLM's ``@support_torch_compile`` on ``Rwkv7Model``): everything that reads
+or writes the per-sequence state is one of two registered custom ops that write their
+outputs in place (``vllm::rwkv7_token_shift``, ``vllm::rwkv7_wkv``; the policy lists them
+as splitting ops, like vLLM's ``linear_attention``), and the compiled graph holds the
+projections, norms and mixes between them. Both ops read the step from vLLM's LINEAR
+backend metadata; a decode-only step (every request one token) reads no device value on
+the host, so it is safe to capture as a graph, as that backend declares
+(``UNIFORM_SINGLE_TOKEN_DECODE``). A step with prefills reads the prefill boundaries on the
+host inside the ops (those steps run the ops eagerly between graph pieces).
 """
 
 from __future__ import annotations
@@ -36,6 +46,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import (
     get_pp_group,
@@ -66,6 +77,7 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import cpu_patches, dispatch
@@ -96,58 +108,95 @@ def state_bytes_per_sequence(config, model_dtype: torch.dtype = torch.float32) -
 
 @dataclass
 class _Batch:
-    """How the flat token batch splits into sequences, from the LINEAR backend's metadata."""
+    """How the flat token batch splits into sequences, from the LINEAR backend's metadata.
+
+    ``starts``/``ends``/``prefill_cu`` (host values) exist only for a step with prefills; a
+    decode-only step is described by device tensors alone (capture-safe).
+    """
 
     num_tokens: int
     num_decodes: int
-    starts: list[int]
-    ends: list[int]
+    num_prefills: int
     slots: torch.Tensor  # [num_reqs] state-cache rows
     fresh: torch.Tensor  # [num_reqs] bool: no context before this step (state must start at zero)
-    any_fresh: bool
     first: torch.Tensor  # [num_reqs] index of each sequence's first token
     last: torch.Tensor  # [num_reqs] index of each sequence's last token
-    prefill_cu: torch.Tensor  # [num_prefills + 1] prefill starts relative to the first prefill token
+    starts: list[int] | None = None
+    ends: list[int] | None = None
+    prefill_cu: torch.Tensor | None = None  # [num_prefills + 1] prefill starts relative to the first prefill
 
     @property
     def prefill_start(self) -> int:
-        return self.starts[self.num_decodes] if len(self.starts) > self.num_decodes else self.num_tokens
+        return self.starts[self.num_decodes] if self.num_prefills else self.num_tokens
 
     @classmethod
     def from_metadata(cls, md) -> _Batch:
-        qsl = md.query_start_loc.tolist()
-        num_reqs = md.num_decodes + md.num_prefills
-        qsl = qsl[: num_reqs + 1]
-        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
-        seq_lens = md.seq_lens[:num_reqs].to("cpu", torch.long)
-        fresh = (seq_lens - q_lens) <= 0
+        nd, npf = md.num_decodes, md.num_prefills
+        num_reqs = nd + npf
         slots = md.state_indices_tensor[:num_reqs].long()
-        starts = torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device)
-        p0 = qsl[md.num_decodes]
+        if npf == 0:  # decodes only: one token per request, nothing read on the host
+            pos = torch.arange(nd, device=slots.device)
+            return cls(md.num_decode_tokens, nd, 0, slots, (md.seq_lens[:nd] <= 1).to(slots.device), pos, pos)
+        qsl = md.query_start_loc[: num_reqs + 1].tolist()
+        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
+        fresh = (md.seq_lens[:num_reqs].to("cpu", torch.long) - q_lens) <= 0
+        p0 = qsl[nd]
         return cls(
             num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
-            num_decodes=md.num_decodes,
-            starts=qsl[:-1],
-            ends=qsl[1:],
+            num_decodes=nd,
+            num_prefills=npf,
             slots=slots,
             fresh=fresh.to(slots.device),
-            any_fresh=bool(fresh.any()),
-            first=starts,
+            first=torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device),
             last=torch.tensor(qsl[1:], dtype=torch.long, device=slots.device) - 1,
-            prefill_cu=torch.tensor([q - p0 for q in qsl[md.num_decodes :]], dtype=torch.long),
+            starts=qsl[:-1],
+            ends=qsl[1:],
+            prefill_cu=torch.tensor([q - p0 for q in qsl[nd:]], dtype=torch.long),
         )
 
 
-def _token_shift(x: torch.Tensor, shift_state: torch.Tensor | None, batch: _Batch | None) -> torch.Tensor:
-    """Previous token's input for every token; the first token of a sequence takes the stored one."""
-    prev = torch.empty_like(x)
-    prev[1:] = x[:-1]
-    if batch is None:
-        prev[0] = 0
-        return prev
-    prev[batch.first] = shift_state[batch.slots].to(x.dtype)
-    shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
-    return prev
+# The step's batch, split once for all layers of a state-cache group (they share one metadata object).
+_step_batch: tuple[object, _Batch] | None = None
+
+
+def _batch_of(md) -> _Batch:
+    global _step_batch
+    if _step_batch is None or _step_batch[0] is not md:
+        _step_batch = (md, _Batch.from_metadata(md))
+    return _step_batch[1]
+
+
+def _zero_fresh(states: tuple[torch.Tensor, ...], batch: _Batch) -> None:
+    """A request with no context starts from zero state (its slot may hold a finished request's)."""
+    for state in states:
+        keep = ~batch.fresh.view(-1, *([1] * (state.dim() - 1)))
+        state[batch.slots] = state[batch.slots] * keep
+
+
+def rwkv7_token_shift(x: torch.Tensor, prev: torch.Tensor, layer_name: str, state_index: int) -> None:
+    """``prev``: the previous token's ``x`` for every token; a sequence's first token takes its stored
+    one, and its last token's ``x`` is stored (state ``state_index`` of the layer's cache)."""
+    get_forward_context().no_compile_layers[layer_name].token_shift(x, prev, state_index)
+
+
+def rwkv7_wkv(
+    r: torch.Tensor,
+    w: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    y: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """``y`` ([T, H, N] float32): the WKV-7 output of every token, each sequence from its stored state."""
+    get_forward_context().no_compile_layers[layer_name].wkv(r, w, k, v, a, b, y)
+
+
+direct_register_custom_op(op_name="rwkv7_token_shift", op_func=rwkv7_token_shift, mutates_args=["prev"])
+direct_register_custom_op(op_name="rwkv7_wkv", op_func=rwkv7_wkv, mutates_args=["y"])
+# where the compiled graph splits (the policy adds them to vLLM's splitting ops)
+STATE_OPS = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
 
 
 class Rwkv7LoRA(nn.Module):
@@ -226,10 +275,12 @@ class Rwkv7TimeMix(nn.Module):
         self.g_norm = Rwkv7GroupNorm(self.num_heads, self.num_heads * n, self.group_norm_eps)
         self.batched_prefill = True  # False: today's per-sequence loop (kept as the bench's comparison point)
 
-    def forward(self, x, v_first, shift_state, wkv_state, batch: _Batch | None):
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, layer_name: str):
         T = x.shape[0]
         H, N = self.num_heads, self.head_dim
-        xx = _token_shift(x, shift_state, batch) - x
+        prev = torch.empty_like(x)
+        torch.ops.vllm.rwkv7_token_shift(x, prev, layer_name, 0)
+        xx = prev - x
         xr, xw, xk, xv, xa, xg = (
             torch.addcmul(x, xx, m) for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g)
         )
@@ -245,37 +296,13 @@ class Rwkv7TimeMix(nn.Module):
             v_first = v
         else:
             v = v + (v_first - v) * torch.sigmoid(self.v_lora(xv))
-        y = self._wkv(r, w, k, v, -kk, kk * a, wkv_state, batch).to(x.dtype)
-        y = self.g_norm(y)
+        y = torch.empty(T, H, N, dtype=torch.float32, device=x.device)
+        r3, w3, k3, v3, a3, b3 = (t.reshape(T, H, N) for t in (r, w, k, v, -kk, kk * a))
+        torch.ops.vllm.rwkv7_wkv(r3, w3, k3, v3, a3, b3, y, layer_name)
+        y = self.g_norm(y.reshape(T, H * N).to(x.dtype))
         y = y + ((r * k * self.r_k.view(-1)).view(T, H, N).sum(-1, keepdim=True) * v.view(T, H, N)).view(T, -1)
         out, _ = self.o_proj(y * g)
         return out, v_first
-
-    def _wkv(self, r, w, k, v, a, b, wkv_state, batch: _Batch | None) -> torch.Tensor:
-        T, H, N = r.shape[0], self.num_heads, self.head_dim
-        r, w, k, v, a, b = (t.view(T, H, N) for t in (r, w, k, v, a, b))
-        chunk = dispatch.op("rwkv7.wkv_chunk")
-        if batch is None:  # dummy/profiling run: one sequence, fresh state, nothing stored
-            return chunk(r, w, k, v, a, b, output_final_state=False)[0].reshape(T, H * N)
-        y = torch.empty(T, H, N, dtype=torch.float32, device=r.device)
-        nd = batch.num_decodes
-        if nd:
-            slots = batch.slots[:nd]
-            state = wkv_state[slots]
-            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
-            wkv_state[slots] = state
-        if len(batch.starts) > nd and self.batched_prefill:  # every prefill of the step in one call
-            s, e, slots = batch.prefill_start, batch.num_tokens, batch.slots[nd:]
-            y[s:e], final = chunk(
-                r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slots], cu_seqlens=batch.prefill_cu
-            )
-            wkv_state[slots] = final
-        elif len(batch.starts) > nd:
-            for i in range(nd, len(batch.starts)):
-                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
-                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
-                wkv_state[slot] = final
-        return y.reshape(T, H * N)
 
 
 class Rwkv7ChannelMix(nn.Module):
@@ -286,8 +313,10 @@ class Rwkv7ChannelMix(nn.Module):
         self.key = ColumnParallelLinear(c, i, bias=False, quant_config=quant_config, prefix=f"{prefix}.key")
         self.value = RowParallelLinear(i, c, bias=False, quant_config=quant_config, prefix=f"{prefix}.value")
 
-    def forward(self, x, shift_state, batch: _Batch | None):
-        xk = torch.addcmul(x, _token_shift(x, shift_state, batch) - x, self.x_k)
+    def forward(self, x: torch.Tensor, layer_name: str):
+        prev = torch.empty_like(x)
+        torch.ops.vllm.rwkv7_token_shift(x, prev, layer_name, 2)
+        xk = torch.addcmul(x, prev - x, self.x_k)
         h, _ = self.key(xk)
         out, _ = self.value(torch.relu(h).square())
         return out
@@ -323,46 +352,64 @@ class Rwkv7Block(nn.Module, MambaBase):
     def get_state_dtype(self):
         return state_dtypes(self.model_dtype)
 
-    # ---
-    def _batch(self, cache: dict) -> _Batch | None:
+    # --- the state ops' bodies (run outside the compiled graph pieces)
+    def _step(self) -> _Batch | None:
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.prefix)
-        if md is None or not self.kv_cache:
+        if md is None or not self.kv_cache:  # dummy/profiling run: one sequence, fresh state, nothing stored
             return None
-        # layers of one state-cache group share one metadata object: split the batch once per step
-        if id(md) not in cache:
-            cache[id(md)] = _Batch.from_metadata(md)
-        return cache[id(md)]
+        return _batch_of(md)
 
-    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, batch_cache: dict | None = None):
-        batch = self._batch({} if batch_cache is None else batch_cache)
+    def token_shift(self, x: torch.Tensor, prev: torch.Tensor, state_index: int) -> None:
+        batch = self._step()
+        prev[0] = 0
+        prev[1:] = x[:-1]
         if batch is None:
-            att_shift = wkv_state = ffn_shift = None
-            n = x.shape[0]
-        else:
-            att_shift, wkv_state, ffn_shift = self.kv_cache
-            if batch.any_fresh:
-                fresh = batch.slots[batch.fresh]
-                att_shift[fresh] = 0
-                wkv_state[fresh] = 0
-                ffn_shift[fresh] = 0
-            n = batch.num_tokens
-        out = torch.zeros_like(x)
-        h = x[:n]
-        if self.layer_id == 0:
-            h = self.pre_norm(h)
-        vf = v_first[:n] if v_first is not None else None
-        a, vf = self.attn(self.attn_norm(h), vf, att_shift, wkv_state, batch)
+            return
+        if state_index == 0:  # the layer's first state op: fresh requests start from zero state
+            _zero_fresh(self.kv_cache, batch)
+        shift_state = self.kv_cache[state_index]
+        prev[batch.first] = shift_state[batch.slots].to(x.dtype)
+        shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
+
+    def wkv(self, r, w, k, v, a, b, y: torch.Tensor) -> None:
+        chunk = dispatch.op("rwkv7.wkv_chunk")
+        batch = self._step()
+        if batch is None:
+            y.copy_(chunk(r, w, k, v, a, b, output_final_state=False)[0])
+            return
+        wkv_state = self.kv_cache[1]
+        nd, n = batch.num_decodes, batch.num_tokens
+        y[n:] = 0  # padding rows
+        if nd:
+            slots = batch.slots[:nd]
+            state = wkv_state[slots]
+            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
+            wkv_state[slots] = state
+        if batch.num_prefills and self.attn.batched_prefill:  # every prefill of the step in one call
+            s, slots = batch.prefill_start, batch.slots[nd:]
+            y[s:n], final = chunk(
+                r[s:n], w[s:n], k[s:n], v[s:n], a[s:n], b[s:n], wkv_state[slots], cu_seqlens=batch.prefill_cu
+            )
+            wkv_state[slots] = final
+        elif batch.num_prefills:
+            for i in range(nd, len(batch.starts)):
+                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
+                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
+                wkv_state[slot] = final
+
+    def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
+        h = self.pre_norm(x) if self.layer_id == 0 else x
+        a, v_first = self.attn(self.attn_norm(h), v_first, self.prefix)
         h = h + a
-        h = h + self.ffn(self.ffn_norm(h), ffn_shift, batch)
-        out[:n] = h
-        if v_first is None:  # this rank's channels of layer 0's value
-            v_first = x.new_zeros(x.shape[0], vf.shape[1])
-        v_first[:n] = vf
-        return out, v_first
+        h = h + self.ffn(self.ffn_norm(h), self.prefix)
+        return h, v_first
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class Rwkv7Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -398,16 +445,21 @@ class Rwkv7Model(nn.Module):
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embeddings(input_ids)
 
-    def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None):
+    def forward(
+        self,
+        input_ids: torch.Tensor | None,
+        positions: torch.Tensor,
+        intermediate_tensors: IntermediateTensors | None = None,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor | IntermediateTensors:
         if get_pp_group().is_first_rank:
             x = inputs_embeds if inputs_embeds is not None else self.embed_input_ids(input_ids)
             v_first = None
         else:
             x = intermediate_tensors["hidden_states"]
             v_first = _rank_channels(intermediate_tensors["v_first"])
-        batch_cache = {}
         for layer in self.layers[self.start_layer : self.end_layer]:
-            x, v_first = layer(x, v_first, batch_cache)
+            x, v_first = layer(x, v_first)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": x, "v_first": _all_channels(v_first)})
         return self.norm(x)
