@@ -218,6 +218,17 @@ def _forward(cfg, model, md, tokens: torch.Tensor):
         return model.model.forward(tokens, torch.zeros_like(tokens))
 
 
+def test_policy_splits_at_the_ops_the_model_registers():
+    """The start-up policy names the state ops without importing the model; the names must be the
+    model's (a misspelt one would leave a host-reading op inside a compiled piece)."""
+    import ascend_adapters.rwkv7.model  # noqa: F401  (registers the ops)
+    from ascend_adapters.rwkv7.policy import STATE_OPS
+
+    for name in STATE_OPS:
+        namespace, op = name.split("::")
+        assert hasattr(getattr(torch.ops, namespace), op), name
+
+
 @pytest.mark.vllm
 def test_decode_step_reads_no_device_value_on_host(inprocess_model):
     cfg, model = inprocess_model
@@ -242,11 +253,14 @@ def test_decode_step_updates_only_its_slots_and_zeroes_fresh_ones(inprocess_mode
         untouched = [1, 2, 3, 5]
         assert torch.equal(old[untouched], new[untouched])
         assert not torch.equal(old[4], new[4])
-    # two fresh one-token requests with the same token, one in a slot holding a finished request's
-    # state, one in a zeroed slot: they must end in the same state
+    # three fresh one-token requests with the same token: in a zeroed slot, in a slot holding a
+    # finished request's state (slot 4, written above) and in a slot holding NaN (clearing by
+    # multiplying with a 0/1 mask would keep it: 0 * NaN is NaN). They must end in the same state.
     for state in layer.kv_cache:
         state[1] = 0
+        state[0] = float("nan")
     with torch.inference_mode():
-        _forward(cfg, model, _decode_metadata([1, 1], [0, 1]), torch.tensor([5, 5]))
+        _forward(cfg, model, _decode_metadata([1, 1, 1], [1, 4, 0]), torch.tensor([5, 5, 5]))
     for state in layer.kv_cache:
-        assert torch.equal(state[0], state[1])
+        assert not state[1].isnan().any()
+        assert torch.equal(state[1], state[4]) and torch.equal(state[1], state[0])

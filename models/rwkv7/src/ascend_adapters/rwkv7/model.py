@@ -166,11 +166,11 @@ def _batch_of(md) -> _Batch:
     return _step_batch[1]
 
 
-def _zero_fresh(states: tuple[torch.Tensor, ...], batch: _Batch) -> None:
-    """A request with no context starts from zero state (its slot may hold a finished request's)."""
-    for state in states:
-        keep = ~batch.fresh.view(-1, *([1] * (state.dim() - 1)))
-        state[batch.slots] = state[batch.slots] * keep
+def _stored(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
+    """The stored state rows of ``slots``; zero for a fresh request, whatever its slot holds (a finished
+    request's state, or anything else: selected, not multiplied, so inf or NaN there cannot leak)."""
+    rows = state[slots]
+    return torch.where(fresh.view(-1, *([1] * (rows.dim() - 1))), rows.new_zeros(()), rows)
 
 
 def rwkv7_token_shift(x: torch.Tensor, prev: torch.Tensor, layer_name: str, state_index: int) -> None:
@@ -193,10 +193,9 @@ def rwkv7_wkv(
     get_forward_context().no_compile_layers[layer_name].wkv(r, w, k, v, a, b, y)
 
 
+# registered as policy.STATE_OPS names them (the policy adds them to vLLM's splitting ops)
 direct_register_custom_op(op_name="rwkv7_token_shift", op_func=rwkv7_token_shift, mutates_args=["prev"])
 direct_register_custom_op(op_name="rwkv7_wkv", op_func=rwkv7_wkv, mutates_args=["y"])
-# where the compiled graph splits (the policy adds them to vLLM's splitting ops)
-STATE_OPS = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
 
 
 class Rwkv7LoRA(nn.Module):
@@ -367,10 +366,8 @@ class Rwkv7Block(nn.Module, MambaBase):
         prev[1:] = x[:-1]
         if batch is None:
             return
-        if state_index == 0:  # the layer's first state op: fresh requests start from zero state
-            _zero_fresh(self.kv_cache, batch)
         shift_state = self.kv_cache[state_index]
-        prev[batch.first] = shift_state[batch.slots].to(x.dtype)
+        prev[batch.first] = _stored(shift_state, batch.slots, batch.fresh).to(x.dtype)
         shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
 
     def wkv(self, r, w, k, v, a, b, y: torch.Tensor) -> None:
@@ -384,19 +381,27 @@ class Rwkv7Block(nn.Module, MambaBase):
         y[n:] = 0  # padding rows
         if nd:
             slots = batch.slots[:nd]
-            state = wkv_state[slots]
+            state = _stored(wkv_state, slots, batch.fresh[:nd])
             y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
             wkv_state[slots] = state
         if batch.num_prefills and self.attn.batched_prefill:  # every prefill of the step in one call
             s, slots = batch.prefill_start, batch.slots[nd:]
             y[s:n], final = chunk(
-                r[s:n], w[s:n], k[s:n], v[s:n], a[s:n], b[s:n], wkv_state[slots], cu_seqlens=batch.prefill_cu
+                r[s:n],
+                w[s:n],
+                k[s:n],
+                v[s:n],
+                a[s:n],
+                b[s:n],
+                _stored(wkv_state, slots, batch.fresh[nd:]),
+                cu_seqlens=batch.prefill_cu,
             )
             wkv_state[slots] = final
         elif batch.num_prefills:
             for i in range(nd, len(batch.starts)):
                 s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
-                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], wkv_state[slot])
+                initial = _stored(wkv_state, slot, batch.fresh[i : i + 1])
+                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], initial)
                 wkv_state[slot] = final
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):

@@ -10,6 +10,10 @@ names the tensor).
 
 from __future__ import annotations
 
+# The model's state ops (registered by model.py under these names), where the compiled graph splits.
+# Named here so that the start-up hook, which runs in the API server too, does not import the model.
+STATE_OPS = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
+
 
 class Rwkv7UnsupportedError(ValueError):
     pass
@@ -68,8 +72,6 @@ def _split_at_state_ops(compilation_config) -> None:
     state ops must be among them (a step with prefills reads its boundaries on the host there).
     Runs before vLLM fills in its default splitting ops, so the default list is named here."""
     from vllm.config import CompilationMode
-
-    from ascend_adapters.rwkv7.model import STATE_OPS
 
     if compilation_config.mode not in (None, CompilationMode.VLLM_COMPILE):
         return
