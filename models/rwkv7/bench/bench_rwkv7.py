@@ -17,7 +17,10 @@ Measures, float32:
 4. (section ``prefill_batch``) prefill of 8 concurrent 512-token prompts: every prefill of the
    step in one ``wkv7_chunk`` call against the per-sequence loop (one call per prompt), at the
    kernel level and served (the same engine, the model switched between the two paths);
-5. (section ``prefix_cache``) time to first token of a request whose prompt shares whole blocks
+5. (section ``compiled``) decode tokens/s at batch 1 and 8 served the default way (vLLM compiles the
+   model: on CPU one Dynamo trace compiled by inductor) against ``--enforce-eager``, each engine's
+   start-up time (compilation included) beside it;
+6. (section ``prefix_cache``) time to first token of a request whose prompt shares whole blocks
    with an earlier one, with ``--enable-prefix-caching``, against a request of the same length
    sharing nothing, on the same engine.
 
@@ -160,6 +163,33 @@ def run_rwkv_package(pth, prompt, prefill_prompt, decode_tokens, vocab, contexts
 
 
 # ---------------------------------------------------------------- vLLM side
+def _generate_timer(llm):
+    """``gen(prompts, max_tokens)``: seconds for one greedy ``generate`` call of these prompts."""
+    from vllm import SamplingParams
+
+    def gen(prompts, max_tokens):
+        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+        t0 = time.perf_counter()
+        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    return gen
+
+
+def decode_tok_s(llm, prompt, decode_tokens, repeats) -> dict:
+    """Decode tokens/s at batch 1 and 8: (time for 1 + n tokens) - (time for 1 token), best of ``repeats``."""
+    gen = _generate_timer(llm)
+    gen([prompt], 4)  # warm-up
+    res = {}
+    for batch in (1, 8):
+        prompts = [prompt[: len(prompt) - i] for i in range(batch)]
+        t1 = min(gen(prompts, 1) for _ in range(repeats))
+        tn = min(gen(prompts, decode_tokens + 1) for _ in range(repeats))
+        res[f"decode_b{batch}_tok_s"] = batch * decode_tokens / max(tn - t1, 1e-9)
+        _progress(f"vllm decode b{batch}", res[f"decode_b{batch}_tok_s"])
+    return res
+
+
 def run_vllm(model_dir, prompt, prefill_prompt, decode_tokens, vocab, contexts, max_model_len, repeats):
     from vllm import LLM, SamplingParams
 
@@ -174,20 +204,8 @@ def run_vllm(model_dir, prompt, prefill_prompt, decode_tokens, vocab, contexts, 
         max_num_batched_tokens=max(2048, len(prefill_prompt)),
     )
 
-    def gen(prompts, max_tokens):
-        sp = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, detokenize=False)
-        t0 = time.perf_counter()
-        llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=False)
-        return time.perf_counter() - t0
-
-    gen([prompt], 4)  # warm-up
-    res = {}
-    for batch in (1, 8):
-        prompts = [prompt[: len(prompt) - i] for i in range(batch)]
-        t1 = min(gen(prompts, 1) for _ in range(repeats))
-        tn = min(gen(prompts, decode_tokens + 1) for _ in range(repeats))
-        res[f"decode_b{batch}_tok_s"] = batch * decode_tokens / max(tn - t1, 1e-9)
-        _progress(f"vllm decode b{batch}", res[f"decode_b{batch}_tok_s"])
+    gen = _generate_timer(llm)
+    res = decode_tok_s(llm, prompt, decode_tokens, repeats)
     t_pre = min(gen([prefill_prompt], 1) for _ in range(repeats))
     res["prefill_chunked_s"] = t_pre
 
@@ -300,6 +318,19 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
             max_model_len=spec["max_model_len"],
             repeats=spec["repeats"],
         )
+    elif kind == "decode":
+        t0 = time.perf_counter()
+        llm = LLM(
+            model=spec["model"],
+            dtype="float32",
+            enforce_eager=spec["enforce_eager"],
+            max_model_len=spec["max_model_len"],
+            kv_cache_memory_bytes=512 << 20,
+            max_num_seqs=8,
+            skip_tokenizer_init=True,
+        )
+        res = {"startup_s": time.perf_counter() - t0}
+        res.update(decode_tok_s(llm, spec["prompt"], spec["decode_tokens"], spec["repeats"]))
     elif kind == "prefill_batch":
         prompts = spec["prompts"]
         llm = LLM(
@@ -418,6 +449,9 @@ TARGETS = {
     "prefill_8x512_batched_vs_loop_served": (1.0, "batched prefill call not slower than the loop"),
     # 1024 of the 1088 prompt tokens come from the cache: the cached request computes 64 tokens, not 1088
     "ttft_prefix_cached_vs_uncached": (2.0, "a prefix-cache hit at least halves time to first token"),
+    # graph mode is what vLLM serves by default: it must not decode slower than --enforce-eager
+    "decode_b1_compiled_over_eager": (1.0, "compiled decode at batch 1 at least as fast as eager"),
+    "decode_b8_compiled_over_eager": (1.0, "compiled decode at batch 8 at least as fast as eager"),
 }
 
 
@@ -451,8 +485,8 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--sections",
-        default="package,prefill_batch,prefix_cache",
-        help="comma-separated: package (vLLM vs the rwkv package, items 1-3), prefill_batch, prefix_cache",
+        default="package,compiled,prefill_batch,prefix_cache",
+        help="comma-separated: package (vLLM vs the rwkv package, items 1-3), compiled, prefill_batch, prefix_cache",
     )
     add_evidence_dir_argument(ap)
     ap.add_argument("--_rwkv-worker", nargs=2, help=argparse.SUPPRESS)
@@ -471,7 +505,7 @@ def main(argv=None) -> int:
         )
         return 2
     sections = set(args.sections.split(","))
-    unknown = sections - {"package", "prefill_batch", "prefix_cache"}
+    unknown = sections - {"package", "compiled", "prefill_batch", "prefix_cache"}
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}")
 
@@ -492,6 +526,22 @@ def main(argv=None) -> int:
         print(f"random {shape} checkpoint written and converted in {time.perf_counter() - t0:.1f} s", flush=True)
         if "package" in sections:
             result.update(_package_sections(args, shape, pth, model_dir, threads))
+        if "compiled" in sections:
+            spec = {
+                "model": str(model_dir),
+                "prompt": _ids(32, shape["vocab"], 1),
+                "decode_tokens": args.decode_tokens or (16 if args.quick else 64),
+                "max_model_len": 256,
+                "repeats": args.repeats,
+            }
+            modes = {}
+            for name, eager in (("compiled", False), ("eager", True)):
+                modes[name] = run_served("decode", {**spec, "enforce_eager": eager})
+                _progress(f"served {name}: decode", modes[name])
+            result["compiled"] = modes
+            for batch in (1, 8):
+                key = f"decode_b{batch}_tok_s"
+                result["ratios"][f"decode_b{batch}_compiled_over_eager"] = modes["compiled"][key] / modes["eager"][key]
         if "prefill_batch" in sections:
             lengths = [BATCH_PROMPT_TOKENS] * BATCH_PROMPTS
             # one thread as well: on a shared, oversubscribed VM multi-threaded timings mostly measure the wait
@@ -555,6 +605,13 @@ def main(argv=None) -> int:
             f"({pb['served']['batched_tok_s']:.0f} vs {pb['served']['per_sequence_loop_tok_s']:.0f} tok/s), "
             f"served on one thread {pb['served_one_thread']['ratio']:.2f}x"
         )
+    if "compiled" in sections:
+        c, e = result["compiled"]["compiled"], result["compiled"]["eager"]
+        print(
+            f"decode compiled vs eager: batch 1 {c['decode_b1_tok_s']:.0f} vs {e['decode_b1_tok_s']:.0f} tok/s, "
+            f"batch 8 {c['decode_b8_tok_s']:.0f} vs {e['decode_b8_tok_s']:.0f} tok/s; start-up "
+            f"{c['startup_s']:.1f} s compiled, {e['startup_s']:.1f} s eager"
+        )
     if "prefix_cache" in sections:
         pc = result["prefix_cache"]
         print(
@@ -580,7 +637,7 @@ def _write_evidence(result, args, argv):
     rec.command(["python", "models/rwkv7/bench/bench_rwkv7.py", *(argv if argv is not None else sys.argv[1:])])
     for key in ("shape", "dtype", "threads", "sections", "ratios", "load_average_at_start", "load_average_at_end"):
         rec.metric(key, result[key])
-    for key in ("prefill_batch", "prefix_cache", "rwkv_package", "vllm_adapter", "wkv_kernel"):
+    for key in ("compiled", "prefill_batch", "prefix_cache", "rwkv_package", "vllm_adapter", "wkv_kernel"):
         if key in result:
             rec.metric(key, result[key])
     for name, value in result["ratios"].items():
