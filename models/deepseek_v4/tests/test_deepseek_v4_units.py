@@ -175,6 +175,21 @@ def vllm_model(dirs):
     return build
 
 
+def test_attention_backend_declares_no_graph_capture(dirs, vllm_model):
+    """The attention walks the requests on the host (``tolist()``), so its backend must not let vLLM
+    capture a step as a graph (vLLM's LINEAR builder alone declares single-token decode)."""
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadataBuilder
+
+    model = vllm_model(dirs["tiny"])
+    layers = [m for m in model.modules() if hasattr(m, "get_attn_backend")]
+    assert len(layers) == tiny_config().num_hidden_layers
+    for layer in layers:
+        builder = layer.get_attn_backend().get_builder_cls()
+        assert issubclass(builder, LinearAttentionMetadataBuilder), layer.prefix  # the same metadata
+        assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER, layer.prefix
+
+
 def _tensors(path):
     from safetensors.torch import load_file
 

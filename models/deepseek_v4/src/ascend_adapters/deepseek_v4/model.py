@@ -56,6 +56,8 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backend import AttentionCGSupport
+from vllm.v1.attention.backends.linear_attn import LinearAttentionBackend, LinearAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 
 from ascend_adapters.common import cpu_patches, dispatch
@@ -191,6 +193,21 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 
 
 # ---------------------------------------------------------------- attention
+class DeepseekV4StateMetadataBuilder(LinearAttentionMetadataBuilder):
+    """vLLM's LINEAR builder (per-request slot, ``query_start_loc``, ``seq_lens``), declaring no graph
+    support, where LINEAR declares single-token decode: the attention walks the requests on the host
+    (``tolist()``), so a captured decode step would replay the lengths and slots of the step it was
+    captured in. With ``NEVER``, vLLM captures no full graph of any step of this model."""
+
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+
+class DeepseekV4StateBackend(LinearAttentionBackend):
+    @staticmethod
+    def get_builder_cls() -> type[DeepseekV4StateMetadataBuilder]:
+        return DeepseekV4StateMetadataBuilder
+
+
 class DeepseekV4Attention(nn.Module, MambaBase):
     """Shared-KV MQA over a sliding window + compressed entries, with sinks and a grouped output projection."""
 
@@ -293,6 +310,9 @@ class DeepseekV4Attention(nn.Module, MambaBase):
     @property
     def mamba_type(self):
         return MambaAttentionBackendEnum.LINEAR
+
+    def get_attn_backend(self) -> type[DeepseekV4StateBackend]:
+        return DeepseekV4StateBackend
 
     # -- one request -------------------------------------------------------------------------
     def _seq(self, x, q, kv, qr, pos0: int, state):
