@@ -3,8 +3,9 @@
 vLLM allocates one paged cache per layer from the layer's KV cache spec and
 hands every layer a metadata object per step. This backend's metadata is the
 plain per-request bookkeeping (query boundaries, context lengths, block table,
-slots) on the host; the attention itself is computed by the model layer with
-the portable kernels in ``kernels.py``. Nothing here needs a device kernel, so
+slots), prepared here outside the compiled graph; the attention itself is
+computed by the model layer's ``vllm::glm_dsa_attention`` op with the portable
+kernels in ``kernels.py``. Nothing here needs a device kernel, so
 the same path runs on CPU and on an NPU.
 """
 
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import torch
 from vllm.v1.attention.backend import (
     AttentionBackend,
+    AttentionCGSupport,
     AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
@@ -54,6 +56,11 @@ def context_slots(
 
 class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
     reorder_batch_threshold = None
+    # No full-graph capture of the attention: a decode step's tensors are as wide as its longest context
+    # (decode_slots), a shape a captured graph would freeze. vLLM runs vllm::glm_dsa_attention eagerly
+    # between the compiled (piecewise-captured) pieces instead; test_glm_dsa_compiled proves both read
+    # no device value on the host.
+    _cudagraph_support = AttentionCGSupport.NEVER
 
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)

@@ -43,15 +43,12 @@ from ascend_adapters.common import kernels as _shared  # noqa: F401  (registers 
 
 @dispatch.portable("glm_dsa.cache_write")
 def cache_write_portable(cache: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor) -> None:
-    """Write ``rows [T, C]`` at ``slot_mapping [T]`` of ``cache [B, N, C]`` (slots < 0 skipped)."""
+    """Write ``rows [T, C]`` at ``slot_mapping [T]`` of ``cache [B, N, C]``. A padding slot (< 0) goes to
+    slot 0, which is in vLLM's null block (the block pool's block 0, never given to a request), so no
+    host read decides which rows to write (capture-safe)."""
     flat = cache.view(-1, cache.shape[-1])
     n = slot_mapping.shape[0]
-    slots = slot_mapping.to(torch.long)
-    valid = slots >= 0
-    if bool(valid.all()):
-        flat.index_copy_(0, slots, rows[:n].to(flat.dtype))
-    else:
-        flat.index_copy_(0, slots[valid], rows[:n][valid].to(flat.dtype))
+    flat.index_copy_(0, slot_mapping.to(torch.long).clamp(min=0), rows[:n].to(flat.dtype))
 
 
 @dispatch.portable("glm_dsa.cache_gather")

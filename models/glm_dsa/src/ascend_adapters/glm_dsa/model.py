@@ -19,6 +19,12 @@ cache (portable sparse path); "shared" layers reuse the previous full layer's
 selection. A step's decodes are attended in one batched call, each prefill
 chunk in one call over its request's rows. See ``config.py`` for how the path
 is chosen.
+
+Compilation (vLLM's ``@support_torch_compile`` on ``GlmDsaModel``): the cache
+write and the attention over the cache are one registered custom op that writes
+its outputs in place (``vllm::glm_dsa_attention``; the policy lists it as a
+splitting op, as vLLM does for its own MLA), and the compiled graph holds the
+projections, the indexer's projections, rotary, norms and the MoE between them.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from itertools import islice
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -49,6 +56,7 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, cpu_patches, dispatch
@@ -97,6 +105,25 @@ def _indexer_types(config) -> list[str]:
             "config.json indexer_types[0] must be 'full' (a 'shared' layer reuses the previous one)"
         )
     return list(types)
+
+
+def glm_dsa_attention(
+    q_lat: torch.Tensor,
+    q_pe: torch.Tensor,
+    rows: torch.Tensor,
+    q_idx: torch.Tensor | None,
+    w_idx: torch.Tensor | None,
+    selection: torch.Tensor | None,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """``out`` ([T, H, kv_lora_rank]): the latent attention output of every token of the step (see
+    ``GlmDsaAttention.attend``). Reads the step's metadata and the paged cache on the host, so it is
+    a splitting op (``policy.ATTENTION_OP``): vLLM runs it eagerly between compiled graph pieces."""
+    get_forward_context().no_compile_layers[layer_name].attend(q_lat, q_pe, rows, q_idx, w_idx, selection, out)
+
+
+direct_register_custom_op(op_name="glm_dsa_attention", op_func=glm_dsa_attention, mutates_args=["selection", "out"])
 
 
 class GlmDsaRotary(nn.Module):
@@ -272,8 +299,10 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
 
     # -- forward ------------------------------------------------------------
     def forward(
-        self, positions: torch.Tensor, hidden_states: torch.Tensor, prev_selection: list[torch.Tensor] | None
-    ) -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+        self, positions: torch.Tensor, hidden_states: torch.Tensor, prev_selection: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Projections (compiled), then ``vllm::glm_dsa_attention`` (cache write and attention, run
+        eagerly between graph pieces), then the output projection (compiled)."""
         t = hidden_states.shape[0]
         rope = dispatch.op("common.rope_interleaved")
         cos, sin = self.rotary.cos_sin(positions)
@@ -294,27 +323,43 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         rows = torch.cat(parts, dim=-1)
 
         q_lat = kernels.absorb_query(q[..., : self.nope], self.w_uk_t)  # [T, H, R]
-        q_pe = q[..., self.nope :]
         out = q_lat.new_zeros(t, self.num_heads, self.kv_lora_rank)
+        if self.mode is AttentionMode.DENSE:
+            selection = None
+        elif self.indexer is not None:  # this layer selects; a following 'shared' layer reuses it
+            selection = torch.full((t, self.index_topk), -1, dtype=torch.long, device=q.device)
+        elif prev_selection is None:
+            raise RuntimeError(f"{self.layer_name}: a 'shared' DSA layer needs the previous layer's top-k")
+        else:
+            selection = prev_selection
+        torch.ops.vllm.glm_dsa_attention(
+            q_lat,
+            q[..., self.nope :],
+            rows,
+            q_idx,
+            w_idx,
+            selection,
+            out,
+            self.layer_name,
+        )
+        return self._output(out), selection
+
+    def attend(self, q_lat, q_pe, rows, q_idx, w_idx, selection, out) -> None:
+        """The body of ``vllm::glm_dsa_attention``: cache the step's latent rows, then attend every
+        decode in one call and each prefill chunk over its request's rows, writing ``out`` (and, in a
+        layer with an indexer, its top-k into ``selection``)."""
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.layer_name)
-        if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run
-            return self._output(out), prev_selection
-
+        if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run: nothing cached yet
+            return
         dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
-        selection = None
-        if self.mode is AttentionMode.SPARSE:
-            if self.indexer is None and prev_selection is None:
-                raise RuntimeError(f"{self.layer_name}: a 'shared' DSA layer needs the previous layer's top-k")
-            selection = prev_selection
-            if self.indexer is not None:
-                selection = torch.full((t, self.index_topk), -1, dtype=torch.long, device=q.device)
+        if self.mode is AttentionMode.DENSE:
+            selection = None
         if md.decode_tokens.numel():
             self._decodes(md, q_lat, q_pe, q_idx, w_idx, out, selection)
         for r, qs, qe, length in md.prefills:
             self._prefill(md.block_table[r], qs, qe, length, q_lat, q_pe, q_idx, w_idx, out, selection)
-        return self._output(out), selection
 
     def _output(self, out_lat: torch.Tensor) -> torch.Tensor:
         """``W_UV`` on the latent attention output, then ``o_proj``."""
@@ -473,6 +518,9 @@ class GlmDsaDecoderLayer(nn.Module):
         return hidden_states, residual, selection
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class GlmDsaModel(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()
@@ -495,6 +543,7 @@ class GlmDsaModel(nn.Module):
                 require_field(config, name)
         if config.hidden_act != "silu":
             raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
+        cpu_patches.enable_cpu_float_moe_on_amx()
         pp = get_pp_group()
         if pp.world_size > 1:
             cpu_patches.enable_cpu_pipeline_receive_buffers()
