@@ -1,0 +1,82 @@
+"""What the graph-mode tests share: a detector of host reads, and vLLM's compilation counter.
+
+``HostReads`` is the capture-safety check: a forward run under it records every op whose result a
+captured graph would freeze or whose output shape depends on data, inside the model's registered
+ops too. ``compilation_counters`` runs in vLLM's worker (``parity.vllm_logits(probe=...)``) and
+returns vLLM's compilation counter there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+PROBE = "ascend_adapters.testing.capture:compilation_counters"
+
+
+def compilation_counters(model) -> dict:
+    """vLLM's compilation counter as this worker left it (``LLM.apply_model`` calls this with the model)."""
+    from dataclasses import asdict
+
+    from vllm.compilation.counter import compilation_counter
+
+    return asdict(compilation_counter)
+
+
+def compiled(counter: dict) -> bool:
+    """Whether vLLM compiled the model in that worker: it logs "saved AOT compiled function" (compiled
+    now) or "Directly load AOT compilation" (compiled by an earlier run, from its cache); both
+    counters stay 0 when it runs the model eager."""
+    return counter["num_aot_compiles"] + counter["num_aot_artifacts_loaded"] >= 1
+
+
+CAPTURE_BREAKING_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
+
+
+def breaks_capture(func, args) -> bool:
+    """Whether a captured graph would freeze this call's result or shape. ``aten.index.Tensor`` carries
+    the dynamic-shape tag for its boolean-mask form only; indexing with integer tensors is fixed-shape."""
+    if func is torch.ops.aten.index.Tensor:
+        return any(i is not None and i.dtype in (torch.bool, torch.uint8) for i in args[1])
+    return any(tag in func.tags for tag in CAPTURE_BREAKING_TAGS)
+
+
+class HostReads(TorchDispatchMode):
+    """Records every op tagged as reading a device value on the host (``item``, ``_local_scalar_dense``,
+    ``equal``, ...) or as having a data-dependent output shape (``nonzero``, ``unique``,
+    ``masked_select``, ...), and ``Tensor.tolist`` (a Python-level copy that dispatches no op).
+
+    A dispatch mode sees a registered custom op as one call and does not see inside it; an op
+    registered in Python (namespace ``vllm``: the model's attention op, vLLM's own layer ops) is run
+    through its CPU kernel with the mode pushed again, so its body is checked too. vLLM's compiled
+    kernels (``_C``) are the platform's and are not entered."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[str] = []
+        self.custom_ops: list[str] = []
+
+    def __enter__(self):
+        self._tolist, seen = torch.Tensor.tolist, self.seen
+        tolist = self._tolist
+
+        def recording_tolist(t, *args, **kwargs):
+            seen.append("Tensor.tolist")
+            return tolist(t, *args, **kwargs)
+
+        torch.Tensor.tolist = recording_tolist
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.Tensor.tolist = self._tolist
+        return super().__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if breaks_capture(func, args):
+            self.seen.append(str(func))
+        if func.namespace == "vllm":  # an op registered in Python (the model's, vLLM's own layers')
+            self.custom_ops.append(str(func))
+            with self:
+                return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
+        return func(*args, **kwargs)
