@@ -175,3 +175,32 @@ def test_status_reports_what_each_adapter_class_serves():
     text = format_status(status())
     assert "pipeline parallelism: supported (SupportsPP)" in text
     assert "speculative decoding: none (refused at start-up)" in text
+
+
+def test_compile_split_at_keeps_compilation_on_and_adds_the_ops(monkeypatch):
+    from types import SimpleNamespace
+
+    from vllm.config import CompilationConfig, CompilationMode
+
+    from ascend_adapters.common.policy import compile_split_at
+
+    monkeypatch.delenv("VLLM_USE_BREAKABLE_CUDAGRAPH", raising=False)
+    cfg = SimpleNamespace(compilation_config=CompilationConfig())
+    compile_split_at(cfg, ["vllm::adapter_op"])
+    ops = cfg.compilation_config.splitting_ops
+    assert ops[-1] == "vllm::adapter_op" and ops[:-1] == list(CompilationConfig._attention_ops)
+    compile_split_at(cfg, ["vllm::adapter_op"])  # idempotent
+    assert cfg.compilation_config.splitting_ops == ops
+    # vLLM's by-name breakable-graph default (compilation off) is declined, a user's choice is kept
+    import os
+
+    assert os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "0"
+    monkeypatch.setenv("VLLM_USE_BREAKABLE_CUDAGRAPH", "1")
+    compile_split_at(cfg, [])
+    assert os.environ["VLLM_USE_BREAKABLE_CUDAGRAPH"] == "1"
+    # eager (enforce_eager, mode none): nothing to split
+    eager = SimpleNamespace(compilation_config=CompilationConfig(mode=CompilationMode.NONE))
+    compile_split_at(eager, ["vllm::adapter_op"])
+    assert (
+        not eager.compilation_config.splitting_ops or "vllm::adapter_op" not in eager.compilation_config.splitting_ops
+    )

@@ -123,3 +123,29 @@ def speculation_refusal(vllm_config, methods: tuple[str, ...]) -> str | None:
         f"speculative decoding method {method!r} is not served by this adapter (served: {served}); "
         "serve without --speculative-config"
     )
+
+
+def compile_split_at(vllm_config, ops: Iterable[str]) -> None:
+    """Let vLLM compile an adapter's model, with its state or attention ops ``ops`` as splitting ops.
+
+    Piecewise compilation (vLLM's CUDA graph modes, vllm-ascend's ACL graph) runs the splitting ops
+    eagerly between compiled graph pieces; an adapter's op that reads its step's metadata on the host
+    must be one of them. This runs while vLLM builds its config, before it fills in its default list
+    (None), which is then named here.
+
+    vLLM also turns compilation off by architecture name for the models its own classes cannot compile
+    (``VLLM_USE_BREAKABLE_CUDAGRAPH`` auto-enabled, compilation mode none: ``GlmMoeDsaForCausalLM`` in
+    0.32, ``DeepseekV4ForCausalLM`` in 0.27.1 through 0.32), unless that variable is set. The adapter's
+    model compiles, so it is set to 0 where the user has not set it (the per-architecture hook runs
+    before vLLM's check, and the engine's processes inherit the variable).
+    """
+    import os
+
+    from vllm.config import CompilationMode
+
+    os.environ.setdefault("VLLM_USE_BREAKABLE_CUDAGRAPH", "0")
+    cc = vllm_config.compilation_config
+    if cc.mode not in (None, CompilationMode.VLLM_COMPILE):
+        return
+    current = list(type(cc)._attention_ops) if cc.splitting_ops is None else list(cc.splitting_ops)
+    cc.splitting_ops = [*current, *(op for op in ops if op not in current)]

@@ -9,8 +9,7 @@ import socket
 def ensure_single_rank_parallel_state() -> None:
     """A one-rank gloo world and TP=PP=1 groups, once per process (call inside ``set_current_vllm_config``)."""
     import torch.distributed as dist
-    from vllm.distributed import init_distributed_environment, initialize_model_parallel
-    from vllm.distributed import parallel_state
+    from vllm.distributed import init_distributed_environment, initialize_model_parallel, parallel_state
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
     if not dist.is_initialized():

@@ -59,26 +59,14 @@ def check_startup(vllm_config) -> None:
     reasons = unsupported_reasons(vllm_config)
     if reasons:
         raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
-    _split_at_state_ops(vllm_config.compilation_config)
+    from ascend_adapters.common.policy import compile_split_at
+
+    compile_split_at(vllm_config, STATE_OPS)
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching and cache.mamba_cache_mode == "none":
         # some engines would pick 'all' (per-token states inside the kernels) for a model that
         # supports mamba prefix caching; RWKV-7 copies whole states at block boundaries
         cache.mamba_cache_mode = "align"
-
-
-def _split_at_state_ops(compilation_config) -> None:
-    """vLLM's piecewise compilation runs its attention ops eagerly between graph pieces; RWKV-7's
-    state ops must be among them (a step with prefills reads its boundaries on the host there).
-    Runs before vLLM fills in its default splitting ops, so the default list is named here."""
-    from vllm.config import CompilationMode
-
-    if compilation_config.mode not in (None, CompilationMode.VLLM_COMPILE):
-        return
-    ops = compilation_config.splitting_ops
-    if ops is None:
-        ops = list(type(compilation_config)._attention_ops)
-    compilation_config.splitting_ops = [*ops, *(op for op in STATE_OPS if op not in ops)]
 
 
 def install() -> None:
