@@ -157,7 +157,8 @@ def test_speculation_refusal_names_the_method_and_what_is_served():
 
 def test_status_reports_what_each_adapter_class_serves():
     """Pipeline parallelism is read from the class (vLLM's SupportsPP); the speculative methods are the
-    ones the adapter's start-up policy accepts (its SPECULATIVE_METHODS)."""
+    ones the adapter's start-up policy accepts (its SPECULATIVE_METHODS); the graph mode from the
+    model module's classes under @support_torch_compile and the hook's SPLITTING_OPS."""
     import importlib
 
     from vllm.model_executor.models.interfaces import supports_pp
@@ -171,10 +172,20 @@ def test_status_reports_what_each_adapter_class_serves():
         module, _, cls = r["target"].partition(":")
         hook = importlib.import_module(module.rsplit(".", 1)[0])
         want = bool(supports_pp(getattr(importlib.import_module(module), cls)))
-        assert r["capabilities"] == {"pipeline_parallel": want, "speculative_methods": list(hook.SPECULATIVE_METHODS)}
+        cap = r["capabilities"]
+        assert cap["pipeline_parallel"] == want and cap["speculative_methods"] == list(hook.SPECULATIVE_METHODS)
+        # graph mode: compiled exactly when the adapter names the ops vLLM must run between pieces
+        assert bool(cap["compiled_classes"]) == bool(getattr(hook, "SPLITTING_OPS", ())), r
+        assert cap["splitting_ops"] == list(getattr(hook, "SPLITTING_OPS", ()))
+    by_arch = {r["arch"]: r["capabilities"] for r in rows}
+    assert by_arch["RWKV7ForCausalLM"]["compiled_classes"] == ["Rwkv7Model"]
+    assert by_arch["GlmMoeDsaForCausalLM"]["compiled_classes"] == ["GlmDsaModel"]
+    assert by_arch["DeepseekV4ForCausalLM"]["compiled_classes"] == []
     text = format_status(status())
     assert "pipeline parallelism: supported (SupportsPP)" in text
     assert "speculative decoding: none (refused at start-up)" in text
+    assert "graph mode: compiled by vLLM unless --enforce-eager (@support_torch_compile on GlmDsaModel)" in text
+    assert "graph mode: eager" in text
 
 
 def test_compile_split_at_keeps_compilation_on_and_adds_the_ops(monkeypatch):

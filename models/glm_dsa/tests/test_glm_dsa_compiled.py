@@ -197,7 +197,8 @@ def test_mixed_step_reads_no_device_value_on_host(inprocess_model):
 def test_policy_splits_at_the_op_the_model_registers():
     """The start-up policy names the attention op without importing the model; it must be the model's."""
     import ascend_adapters.glm_dsa.model  # noqa: F401  (registers the op)
-    from ascend_adapters.glm_dsa.policy import ATTENTION_OP
+    from ascend_adapters.glm_dsa import SPLITTING_OPS
 
-    namespace, name = ATTENTION_OP.split("::")
-    assert hasattr(getattr(torch.ops, namespace), name), ATTENTION_OP
+    for op in SPLITTING_OPS:
+        namespace, name = op.split("::")
+        assert hasattr(getattr(torch.ops, namespace), name), op

@@ -156,9 +156,9 @@ def test_policy_splits_at_the_ops_the_model_registers():
     """The start-up policy names the state ops without importing the model; the names must be the
     model's (a misspelt one would leave a host-reading op inside a compiled piece)."""
     import ascend_adapters.rwkv7.model  # noqa: F401  (registers the ops)
-    from ascend_adapters.rwkv7.policy import STATE_OPS
+    from ascend_adapters.rwkv7 import SPLITTING_OPS
 
-    for name in STATE_OPS:
+    for name in SPLITTING_OPS:
         namespace, op = name.split("::")
         assert hasattr(getattr(torch.ops, namespace), op), name
 

@@ -266,26 +266,53 @@ def serving_report(load_plugins: bool = True) -> list[dict]:
         for arch, ours in archs.items():
             row = _row(arch, ours, module_name)
             if row["serves"] == ADAPTER:
-                row["capabilities"] = capabilities(ours, getattr(hook_module, "SPECULATIVE_METHODS", ()))
+                row["capabilities"] = capabilities(
+                    ours,
+                    getattr(hook_module, "SPECULATIVE_METHODS", ()),
+                    getattr(hook_module, "SPLITTING_OPS", ()),
+                )
                 if getattr(hook_module, "STATUS_NOTES", None):
                     row["notes"] = status_notes(hook_module.STATUS_NOTES)
             rows.append(row)
     return rows
 
 
-def capabilities(target: str, speculative_methods: tuple[str, ...]) -> dict:
-    """What the adapter's class serves beyond one rank: pipeline parallelism (vLLM's ``SupportsPP``,
-    read from the class) and the speculative decoding methods its start-up policy accepts."""
+def capabilities(target: str, speculative_methods: tuple[str, ...], splitting_ops: tuple[str, ...] = ()) -> dict:
+    """What the adapter's class serves beyond one eager rank: pipeline parallelism (vLLM's
+    ``SupportsPP``, read from the class), the speculative decoding methods its start-up policy
+    accepts, and its graph mode: the classes of its model module that vLLM compiles (those under
+    ``@support_torch_compile``) and the ops vLLM runs eagerly between the compiled pieces."""
     import importlib
 
     try:
         from vllm.model_executor.models.interfaces import supports_pp
 
         module_name, _, cls_name = target.partition(":")
-        pp = bool(supports_pp(getattr(importlib.import_module(module_name), cls_name)))
+        module = importlib.import_module(module_name)
+        pp = bool(supports_pp(getattr(module, cls_name)))
     except Exception as exc:  # status must always answer
-        pp = f"unknown ({type(exc).__name__}: {exc})"
-    return {"pipeline_parallel": pp, "speculative_methods": list(speculative_methods)}
+        return {
+            "pipeline_parallel": f"unknown ({type(exc).__name__}: {exc})",
+            "speculative_methods": list(speculative_methods),
+        }
+    try:
+        from vllm.compilation.wrapper import TorchCompileWithNoGuardsWrapper
+
+        compiled = sorted(
+            name
+            for name, obj in vars(module).items()
+            if isinstance(obj, type)
+            and obj.__module__ == module_name
+            and issubclass(obj, TorchCompileWithNoGuardsWrapper)
+        )
+    except Exception as exc:  # status must always answer
+        compiled = f"unknown ({type(exc).__name__}: {exc})"
+    return {
+        "pipeline_parallel": pp,
+        "speculative_methods": list(speculative_methods),
+        "compiled_classes": compiled,
+        "splitting_ops": list(splitting_ops),
+    }
 
 
 def status_notes(spec: str) -> list[str]:

@@ -103,6 +103,7 @@ def format_status(st: dict) -> str:
             pp_text = {True: "supported (SupportsPP)", False: "not supported"}.get(pp, pp)
             spec = ", ".join(cap["speculative_methods"]) or "none (refused at start-up)"
             lines.append(f"    pipeline parallelism: {pp_text}; speculative decoding: {spec}")
+            lines.append(f"    graph mode: {_graph_mode(cap)}")
         lines.extend(f"    {note}" for note in r.get("notes") or [])
     q = st.get("quantization")
     if q:
@@ -114,6 +115,19 @@ def format_status(st: dict) -> str:
         if v and k != "ASCEND_ADAPTERS_MANIFEST":
             lines.append(f"  {k}={v}")
     return "\n".join(lines)
+
+
+def _graph_mode(cap: dict) -> str:
+    compiled = cap.get("compiled_classes")
+    if not compiled:
+        return "eager (no class of the model is under vLLM's @support_torch_compile)"
+    if isinstance(compiled, str):
+        return compiled
+    ops = ", ".join(cap.get("splitting_ops") or []) or "none"
+    return (
+        f"compiled by vLLM unless --enforce-eager (@support_torch_compile on {', '.join(compiled)}); "
+        f"run eagerly between the compiled pieces: {ops}"
+    )
 
 
 def cmd_status(args) -> int:

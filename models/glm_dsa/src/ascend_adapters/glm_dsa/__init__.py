@@ -15,6 +15,8 @@ from __future__ import annotations
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
 SPECULATIVE_METHODS: tuple[str, ...] = ()
+# the attention op (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
+SPLITTING_OPS: tuple[str, ...] = ("vllm::glm_dsa_attention",)
 
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {

@@ -119,7 +119,7 @@ def glm_dsa_attention(
 ) -> None:
     """``out`` ([T, H, kv_lora_rank]): the latent attention output of every token of the step (see
     ``GlmDsaAttention.attend``). Reads the step's metadata and the paged cache on the host, so it is
-    a splitting op (``policy.ATTENTION_OP``): vLLM runs it eagerly between compiled graph pieces."""
+    a splitting op (the hook module's ``SPLITTING_OPS``): vLLM runs it eagerly between compiled graph pieces."""
     get_forward_context().no_compile_layers[layer_name].attend(q_lat, q_pe, rows, q_idx, w_idx, selection, out)
 
 

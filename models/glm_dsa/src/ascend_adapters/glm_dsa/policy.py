@@ -13,13 +13,11 @@ of vLLM's piecewise compilation.
 from __future__ import annotations
 
 ARCH = "GlmMoeDsaForCausalLM"
-# the attention op model.py registers; named here so the start-up hook need not import the model
-ATTENTION_OP = "vllm::glm_dsa_attention"
 
 
 def check_startup(vllm_config) -> None:
     from ascend_adapters.common.policy import compile_split_at, speculation_refusal
-    from ascend_adapters.glm_dsa import SPECULATIVE_METHODS
+    from ascend_adapters.glm_dsa import SPECULATIVE_METHODS, SPLITTING_OPS
     from ascend_adapters.glm_dsa.config import (
         GlmDsaConfigError,
         check_raw_config,
@@ -33,7 +31,7 @@ def check_startup(vllm_config) -> None:
     mc = vllm_config.model_config
     check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
     choose_attention_mode(mc.hf_text_config, mc.max_model_len)
-    compile_split_at(vllm_config, [ATTENTION_OP])
+    compile_split_at(vllm_config, SPLITTING_OPS)
 
 
 def install() -> None:

@@ -13,6 +13,8 @@ _MODEL = "ascend_adapters.rwkv7.model:Rwkv7ForCausalLM"
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
 SPECULATIVE_METHODS: tuple[str, ...] = ()
+# the model's state ops (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
+SPLITTING_OPS: tuple[str, ...] = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
 
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {

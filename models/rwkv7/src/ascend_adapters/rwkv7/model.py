@@ -193,7 +193,7 @@ def rwkv7_wkv(
     get_forward_context().no_compile_layers[layer_name].wkv(r, w, k, v, a, b, y)
 
 
-# registered as policy.STATE_OPS names them (the policy adds them to vLLM's splitting ops)
+# registered as SPLITTING_OPS (the hook module) names them; the policy adds them to vLLM's splitting ops
 direct_register_custom_op(op_name="rwkv7_token_shift", op_func=rwkv7_token_shift, mutates_args=["prev"])
 direct_register_custom_op(op_name="rwkv7_wkv", op_func=rwkv7_wkv, mutates_args=["y"])
 

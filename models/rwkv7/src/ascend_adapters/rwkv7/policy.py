@@ -10,10 +10,6 @@ names the tensor).
 
 from __future__ import annotations
 
-# The model's state ops (registered by model.py under these names), where the compiled graph splits.
-# Named here so that the start-up hook, which runs in the API server too, does not import the model.
-STATE_OPS = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
-
 
 class Rwkv7UnsupportedError(ValueError):
     pass
@@ -60,8 +56,9 @@ def check_startup(vllm_config) -> None:
     if reasons:
         raise Rwkv7UnsupportedError("RWKV-7 adapter: " + "; ".join(reasons))
     from ascend_adapters.common.policy import compile_split_at
+    from ascend_adapters.rwkv7 import SPLITTING_OPS
 
-    compile_split_at(vllm_config, STATE_OPS)
+    compile_split_at(vllm_config, SPLITTING_OPS)
     cache = vllm_config.cache_config
     if cache.enable_prefix_caching and cache.mamba_cache_mode == "none":
         # some engines would pick 'all' (per-token states inside the kernels) for a model that
