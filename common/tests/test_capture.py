@@ -18,9 +18,12 @@ def test_host_read_detector_fires_inside_custom_ops():
         y.add_(x[x > 0].sum() + x[torch.tensor([1])].sum())
 
     direct_register_custom_op(op_name="ascend_adapters_test_reads_on_host", op_func=reads_on_host, mutates_args=["y"])
+    tolist = torch.Tensor.tolist
     mode = HostReads()
     with mode:
         torch.ops.vllm.ascend_adapters_test_reads_on_host(torch.tensor([0.0, 3.0]), torch.empty(2))
         torch.tensor([1, 2]).tolist()
+    assert torch.Tensor.tolist is tolist  # restored
     assert mode.custom_ops == ["vllm.ascend_adapters_test_reads_on_host.default"]
     assert sorted(mode.seen) == ["Tensor.tolist", "aten.index.Tensor", "aten.item.default"], mode.seen
+    assert mode.outside == ["Tensor.tolist"]  # the other two were inside the registered op

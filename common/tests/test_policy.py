@@ -199,7 +199,11 @@ def test_compile_split_at_keeps_compilation_on_and_adds_the_ops(monkeypatch):
     cfg = SimpleNamespace(compilation_config=CompilationConfig())
     compile_split_at(cfg, ["vllm::adapter_op"])
     ops = cfg.compilation_config.splitting_ops
-    assert ops[-1] == "vllm::adapter_op" and ops[:-1] == list(CompilationConfig._attention_ops)
+    from ascend_adapters.common.policy import EXPERT_OPS
+
+    n = len(CompilationConfig._attention_ops)
+    assert ops == [*CompilationConfig._attention_ops, "vllm::adapter_op", *EXPERT_OPS]
+    assert len(ops) == n + 1 + len(EXPERT_OPS)
     compile_split_at(cfg, ["vllm::adapter_op"])  # idempotent
     assert cfg.compilation_config.splitting_ops == ops
     # vLLM's by-name breakable-graph default (compilation off) is declined, a user's choice is kept

@@ -125,13 +125,17 @@ def speculation_refusal(vllm_config, methods: tuple[str, ...]) -> str | None:
     )
 
 
+# common's routed-expert ops (common.kernels.experts, common.quant.moe): they sort routes on the host
+EXPERT_OPS = ("vllm::ascend_adapters_swiglu_experts", "vllm::ascend_adapters_w8a8_dynamic_moe")
+
+
 def compile_split_at(vllm_config, ops: Iterable[str]) -> None:
     """Let vLLM compile an adapter's model, with its state or attention ops ``ops`` as splitting ops.
 
     Piecewise compilation (vLLM's CUDA graph modes, vllm-ascend's ACL graph) runs the splitting ops
     eagerly between compiled graph pieces; an adapter's op that reads its step's metadata on the host
-    must be one of them. This runs while vLLM builds its config, before it fills in its default list
-    (None), which is then named here.
+    must be one of them, as must common's routed-expert ops (``EXPERT_OPS``). This runs while vLLM
+    builds its config, before it fills in its default list (None), which is then named here.
 
     vLLM also turns compilation off by architecture name for the models its own classes cannot compile
     (``VLLM_USE_BREAKABLE_CUDAGRAPH`` auto-enabled, compilation mode none: ``GlmMoeDsaForCausalLM`` in
@@ -148,4 +152,4 @@ def compile_split_at(vllm_config, ops: Iterable[str]) -> None:
     if cc.mode not in (None, CompilationMode.VLLM_COMPILE):
         return
     current = list(type(cc)._attention_ops) if cc.splitting_ops is None else list(cc.splitting_ops)
-    cc.splitting_ops = [*current, *(op for op in ops if op not in current)]
+    cc.splitting_ops = [*current, *(op for op in (*ops, *EXPERT_OPS) if op not in current)]

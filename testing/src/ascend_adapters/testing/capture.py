@@ -55,28 +55,43 @@ class HostReads(TorchDispatchMode):
         super().__init__()
         self.seen: list[str] = []
         self.custom_ops: list[str] = []
+        self.outside: list[str] = []  # the reads of ``seen`` made outside every Python-registered op
+        self._inside: list[str] = []
 
     def __enter__(self):
-        self._tolist, seen = torch.Tensor.tolist, self.seen
-        tolist = self._tolist
+        # entered again for each registered op's body: Tensor.tolist is wrapped by the outermost entry only
+        self._depth = getattr(self, "_depth", 0) + 1
+        if self._depth == 1:
+            self._tolist = tolist = torch.Tensor.tolist
 
-        def recording_tolist(t, *args, **kwargs):
-            seen.append("Tensor.tolist")
-            return tolist(t, *args, **kwargs)
+            def recording_tolist(t, *args, **kwargs):
+                self._record("Tensor.tolist")
+                return tolist(t, *args, **kwargs)
 
-        torch.Tensor.tolist = recording_tolist
+            torch.Tensor.tolist = recording_tolist
         return super().__enter__()
 
     def __exit__(self, *exc):
-        torch.Tensor.tolist = self._tolist
+        self._depth -= 1
+        if self._depth == 0:
+            torch.Tensor.tolist = self._tolist
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if breaks_capture(func, args):
-            self.seen.append(str(func))
+            self._record(str(func))
         if func.namespace == "vllm":  # an op registered in Python (the model's, vLLM's own layers')
             self.custom_ops.append(str(func))
-            with self:
-                return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
+            self._inside.append(str(func))
+            try:
+                with self:
+                    return func._op_dk(torch._C.DispatchKey.CPU, *args, **kwargs)
+            finally:
+                self._inside.pop()
         return func(*args, **kwargs)
+
+    def _record(self, what: str) -> None:
+        self.seen.append(what)
+        if not self._inside:
+            self.outside.append(what)

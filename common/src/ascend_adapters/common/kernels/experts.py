@@ -180,3 +180,37 @@ def swiglu_experts_npu(
     o = gmm(h, w2)
     out.index_add_(0, routes.tokens, o * routes.weights[:, None].to(x.dtype))
     return out
+
+
+# -- as vLLM custom ops ---------------------------------------------------------------------------
+# The routed experts sort and count their routes on the host (one call per expert with tokens), which
+# no compiled graph can hold. Through these ops vLLM's torch.compile sees one opaque call of a known
+# output shape (x's), and piecewise graph capture runs them eagerly between pieces (common.policy
+# lists them as splitting ops). Model code calls the experts through them.
+def _swiglu_experts_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    limit: float | None,
+) -> torch.Tensor:
+    return dispatch.op("common.swiglu_experts")(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, limit=limit)
+
+
+def _experts_output_like(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+def _register_ops() -> None:
+    """``torch.ops.vllm.ascend_adapters_swiglu_experts``: float experts (``common.swiglu_experts``)."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    if not hasattr(torch.ops.vllm, "ascend_adapters_swiglu_experts"):
+        direct_register_custom_op(
+            op_name="ascend_adapters_swiglu_experts", op_func=_swiglu_experts_op, fake_impl=_experts_output_like
+        )
+
+
+_register_ops()

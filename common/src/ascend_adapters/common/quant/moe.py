@@ -142,7 +142,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
         shared_experts,
         shared_experts_input,
     ) -> torch.Tensor:
-        return dispatch.op("modelslim.w8a8_dynamic_moe")(
+        return torch.ops.vllm.ascend_adapters_w8a8_dynamic_moe(
             x,
             layer.w13_weight,
             layer.w13_weight_scale,
@@ -150,8 +150,52 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
             layer.w2_weight_scale,
             topk_weights,
             topk_ids,
-            expert_map=layer.expert_map,
-            activation=_activation_name(layer),
-            apply_router_weight_on_input=bool(getattr(layer, "apply_router_weight_on_input", False)),
-            swiglu_limit=swiglu_limit(layer, self.moe),
+            layer.expert_map,
+            _activation_name(layer),
+            bool(getattr(layer, "apply_router_weight_on_input", False)),
+            swiglu_limit(layer, self.moe),
         )
+
+
+def _w8a8_dynamic_moe_op(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w13_scale: torch.Tensor,
+    w2: torch.Tensor,
+    w2_scale: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    activation: str,
+    apply_router_weight_on_input: bool,
+    swiglu_limit: float | None,
+) -> torch.Tensor:
+    return dispatch.op("modelslim.w8a8_dynamic_moe")(
+        x,
+        w13,
+        w13_scale,
+        w2,
+        w2_scale,
+        topk_weights,
+        topk_ids,
+        expert_map=expert_map,
+        activation=activation,
+        apply_router_weight_on_input=apply_router_weight_on_input,
+        swiglu_limit=swiglu_limit,
+    )
+
+
+def _register_ops() -> None:
+    """``torch.ops.vllm.ascend_adapters_w8a8_dynamic_moe``: the routed W8A8_DYNAMIC experts as one opaque
+    call for vLLM's torch.compile, as ``common.kernels.experts`` does for float experts (same why)."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    from ascend_adapters.common.kernels.experts import _experts_output_like
+
+    if not hasattr(torch.ops.vllm, "ascend_adapters_w8a8_dynamic_moe"):
+        direct_register_custom_op(
+            op_name="ascend_adapters_w8a8_dynamic_moe", op_func=_w8a8_dynamic_moe_op, fake_impl=_experts_output_like
+        )
+
+
+_register_ops()

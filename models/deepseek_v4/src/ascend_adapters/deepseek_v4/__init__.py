@@ -23,6 +23,8 @@ ARCH = "DeepseekV4ForCausalLM"
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
 SPECULATIVE_METHODS: tuple[str, ...] = ()
+# the attention op (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
+SPLITTING_OPS: tuple[str, ...] = ("vllm::dsv4_attention",)
 
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {ARCH: "ascend_adapters.deepseek_v4.model:DeepseekV4ForCausalLM"}

@@ -32,6 +32,7 @@ from itertools import islice
 
 import torch
 from torch import nn
+from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig, get_current_vllm_config
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
@@ -56,6 +57,7 @@ from vllm.model_executor.models.utils import (
     maybe_prefix,
 )
 from vllm.sequence import IntermediateTensors
+from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.linear_attn import LinearAttentionBackend, LinearAttentionMetadataBuilder
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
@@ -193,6 +195,25 @@ class DeepseekV4Indexer(DeepseekV4Compressor):
 
 
 # ---------------------------------------------------------------- attention
+def dsv4_attention(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    qr: torch.Tensor,
+    positions: torch.Tensor,
+    out: torch.Tensor,
+    layer_name: str,
+) -> None:
+    """``out`` ([T, heads, head_dim]): the attention of every token of the step over its request's
+    window and compressed entries (``DeepseekV4Attention.attend``). It walks the requests on the host,
+    so it is a splitting op (the hook module's ``SPLITTING_OPS``): vLLM runs it eagerly between
+    compiled graph pieces."""
+    get_forward_context().no_compile_layers[layer_name].attend(x, q, kv, qr, positions, out)
+
+
+direct_register_custom_op(op_name="dsv4_attention", op_func=dsv4_attention, mutates_args=["out"])
+
+
 class DeepseekV4StateMetadataBuilder(LinearAttentionMetadataBuilder):
     """vLLM's LINEAR builder (per-request slot, ``query_start_loc``, ``seq_lens``), declaring no graph
     support, where LINEAR declares single-token decode: the attention walks the requests on the host
@@ -397,6 +418,23 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         return chosen & visible
 
     # -- batch -------------------------------------------------------------------------------
+    def attend(self, x, q, kv, qr, positions, out) -> None:
+        """The body of ``vllm::dsv4_attention``: each request of the step over its own state (the
+        slot, boundaries and first position read on the host), written into ``out``."""
+        md = get_forward_context().attn_metadata
+        md = md.get(self.prefix) if isinstance(md, dict) else None
+        if md is None:  # profile / dummy run: one stateless sequence
+            out.copy_(self._seq(x, q, kv, qr, int(positions[0]), None))
+            return
+        qsl = md.query_start_loc.tolist()
+        slots = md.state_indices_tensor.tolist()
+        for i in range(len(qsl) - 1):
+            a, b = qsl[i], qsl[i + 1]
+            if b <= a:
+                continue
+            state = [s[slots[i]] for s in self.kv_cache]
+            out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
         qkv_a = self.wqkv_a(x)
@@ -408,19 +446,7 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         kv = kv.squeeze(1)
 
         out = torch.empty_like(q)
-        md = get_forward_context().attn_metadata
-        md = md.get(self.prefix) if isinstance(md, dict) else None
-        if md is None:  # profile / dummy run: one stateless sequence
-            out = self._seq(x, q, kv, qr, int(positions[0]), None)
-        else:
-            qsl = md.query_start_loc.tolist()
-            slots = md.state_indices_tensor.tolist()
-            for i in range(len(qsl) - 1):
-                a, b = qsl[i], qsl[i + 1]
-                if b <= a:
-                    continue
-                state = [s[slots[i]] for s in self.kv_cache]
-                out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), state)
+        torch.ops.vllm.dsv4_attention(x, q, kv, qr, positions, out, self.prefix)
         # K = V carried rope on its trailing slice: undo it at the query position.
         out = apply_rope(self.rotary_emb, positions, out, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)
@@ -472,6 +498,9 @@ class DeepseekV4DecoderLayer(nn.Module):
         return self.hc_post(streams, mlp, post, comb)
 
 
+@support_torch_compile(
+    dynamic_arg_dims={"input_ids": 0, "positions": -1, "intermediate_tensors": 0, "inputs_embeds": 0}
+)
 class DeepseekV4Model(nn.Module):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

@@ -103,14 +103,14 @@ class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         from ascend_adapters.common.quant.moe import swiglu_limit
 
-        return op("common.swiglu_experts")(
+        return torch.ops.vllm.ascend_adapters_swiglu_experts(
             x,
             layer.w13_weight,
             layer.w2_weight,
             topk_weights,
             topk_ids,
-            expert_map=getattr(layer, "expert_map", None),
-            limit=swiglu_limit(layer, self.moe),
+            getattr(layer, "expert_map", None),
+            swiglu_limit(layer, self.moe),
         )
 
 

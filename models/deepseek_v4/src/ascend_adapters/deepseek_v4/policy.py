@@ -62,6 +62,10 @@ def check_startup(vllm_config) -> None:
     spec = getattr(vllm_config, "speculative_config", None)
     if spec is not None:
         raise ValueError(f"{ARCH} (ascend-adapters portable path): speculative decoding is not supported")
+    from ascend_adapters.common.policy import compile_split_at
+    from ascend_adapters.deepseek_v4 import SPLITTING_OPS
+
+    compile_split_at(vllm_config, SPLITTING_OPS)
 
 
 def install() -> None:
