@@ -32,12 +32,6 @@ from ascend_adapters.testing.parity import vllm_logits  # noqa: E402
 pytestmark = [pytest.mark.vllm]
 
 BOUND_REL = 8 * 2.0**-8
-# vLLM's CPU attention runs its AMX kernel for bfloat16 wherever the CPU has AMX tiles, but never asks
-# Linux for AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM); oneDNN asks on its first AMX GEMM, which in
-# a bfloat16 serve comes before the first attention call. Under the emulator the linears run the
-# emulated torch_npu kernels instead, nothing asks, and on an AMX machine the worker dies with SIGILL
-# in its first attention call. So every process of the emulated engine asks at start-up, as oneDNN would.
-AMX_PERMISSION = "import torch\n\nif torch.cpu._is_amx_tile_supported():\n    torch.cpu._init_amx()\n"
 PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 18, 77, 120, 64, 9, 11, 400, 33]]
 
 
@@ -47,7 +41,6 @@ def _served(model_dir, tmp_path, emulated: bool):
     trace.mkdir()
     if emulated:
         shim = npu_emulator.write_shim(tmp_path / "shim")
-        (shim / "sitecustomize.py").write_text(AMX_PERMISSION)  # run by every Python process started here
         env = {
             "PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
             EMULATOR_ENV: "1",

@@ -455,12 +455,13 @@ TARGETS = {
 }
 
 
+def judged(ratios: dict) -> list[tuple[str, float, float, str, bool]]:
+    """``(name, ratio, target, why, met)`` per measured ratio: what the record checks and the exit code read."""
+    return [(name, value, *TARGETS[name], value >= TARGETS[name][0]) for name, value in ratios.items()]
+
+
 def missed_targets(ratios: dict) -> list[str]:
-    return [
-        f"{name}: {value:.3f} < {TARGETS[name][0]} ({TARGETS[name][1]})"
-        for name, value in ratios.items()
-        if value < TARGETS[name][0]
-    ]
+    return [f"{name}: {value:.3f} < {target} ({why})" for name, value, target, why, met in judged(ratios) if not met]
 
 
 def main(argv=None) -> int:
@@ -640,9 +641,8 @@ def _write_evidence(result, args, argv):
     for key in ("compiled", "prefill_batch", "prefix_cache", "rwkv_package", "vllm_adapter", "wkv_kernel"):
         if key in result:
             rec.metric(key, result[key])
-    for name, value in result["ratios"].items():
-        target, why = TARGETS[name]
-        rec.check(f"{name} >= {target}: {why}", value >= target, {"ratio": value, "target": target})
+    for name, value, target, why, met in judged(result["ratios"]):
+        rec.check(f"{name} >= {target}: {why}", met, {"ratio": value, "target": target})
     rec.notes.append("CPU (shared VM), float32, random weights of the stated shape; ratios are same-run comparisons")
     rec.skip("NPU", "no Ascend NPU here")
     return rec.write(args.evidence_dir)
@@ -709,7 +709,7 @@ def _print_package(result):
     kern, formula = result["wkv_kernel"], result["state_bytes_formula"]
     print(
         f"decode batch 1 : vLLM {ours['decode_b1_tok_s']:.1f} tok/s vs rwkv {ref['decode_b1_tok_s']:.1f} "
-        f"-> {r['decode_b1_vllm_over_rwkv']:.2f}x (target >= 1.0x)"
+        f"-> {r['decode_b1_vllm_over_rwkv']:.2f}x (target >= {TARGETS['decode_b1_vllm_over_rwkv'][0]}x)"
     )
     print(
         f"decode batch 8 : vLLM {ours['decode_b8_tok_s']:.1f} tok/s vs rwkv {ref['decode_b8_tok_s']:.1f} "
@@ -717,7 +717,8 @@ def _print_package(result):
     )
     print(
         f"prefill {result['prefill_tokens']}: vLLM chunked {ours['prefill_chunked_s']:.3f} s vs token-by-token "
-        f"{ref['prefill_token_by_token_s']:.3f} s -> {r['prefill_chunked_vs_token_by_token']:.1f}x (target >= 5x); "
+        f"{ref['prefill_token_by_token_s']:.3f} s -> {r['prefill_chunked_vs_token_by_token']:.1f}x "
+        f"(target >= {TARGETS['prefill_chunked_vs_token_by_token'][0]}x); "
         f"rwkv seq forward {ref['prefill_rwkv_seq_s']:.3f} s; WKV kernel chunk vs step {kern['ratio']:.1f}x"
     )
     print(f"state bytes/seq: formula {formula}; vLLM {ours['state_bytes']}; rwkv {ref['state_bytes']}")

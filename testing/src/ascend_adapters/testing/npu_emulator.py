@@ -529,9 +529,20 @@ def install() -> types.ModuleType:
     return mod
 
 
+# vLLM's CPU attention runs its AMX kernel for bfloat16 wherever the CPU has AMX tiles, but never asks
+# Linux for AMX permission (arch_prctl ARCH_REQ_XCOMP_PERM); oneDNN asks on its first AMX GEMM, which in
+# a bfloat16 serve comes before the first attention call. Under the emulator the linears run the
+# emulated torch_npu kernels instead, nothing asks, and on an AMX machine the worker dies with SIGILL
+# in its first attention call. So every process of an emulated engine asks at start-up, as oneDNN would.
+AMX_PERMISSION = "import torch\n\nif torch.cpu._is_amx_tile_supported():\n    torch.cpu._init_amx()\n"
+
+
 def write_shim(folder: Path) -> Path:
-    """Write a ``torch_npu`` package into ``folder`` that re-exports this emulator; put ``folder``
-    first on ``PYTHONPATH`` of a test server. Returns ``folder``."""
+    """Write a ``torch_npu`` package into ``folder`` that re-exports this emulator, and a
+    ``sitecustomize`` that asks for AMX permission (see ``AMX_PERMISSION``); put ``folder`` first on
+    ``PYTHONPATH`` of a test server. Returns ``folder``."""
+    (Path(folder) / "sitecustomize.py").parent.mkdir(parents=True, exist_ok=True)
+    (Path(folder) / "sitecustomize.py").write_text(AMX_PERMISSION)  # run by every Python process started there
     pkg = Path(folder) / "torch_npu"
     pkg.mkdir(parents=True, exist_ok=True)
     (pkg / "__init__.py").write_text(

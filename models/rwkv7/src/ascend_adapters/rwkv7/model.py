@@ -8,9 +8,9 @@ State: each block owns three per-sequence tensors in vLLM's state cache
 (``MambaBase`` with ``mamba_type`` LINEAR): the time-mix shift vector ``[C]``,
 the WKV matrix ``[H, N, N]`` (float32) and the channel-mix shift vector
 ``[C]``. Memory per sequence does not depend on the context length. A
-request's state slot is zeroed when it starts (no context yet), so a reused
-slot never leaks another request's state, and a preempted request restarts
-from zero.
+request's state is read as zero when it starts (no context yet), whatever its
+slot holds, so a reused slot never leaks another request's state, and a
+preempted request restarts from zero.
 
 Batches come with decodes first (one token each: batched ``wkv_step``), then
 prefills (one ``wkv_chunk`` call over all of them, each starting from its
