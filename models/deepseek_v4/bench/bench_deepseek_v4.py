@@ -11,7 +11,9 @@ export of it (common's exporter), then, in the same run:
 
 * vLLM (float32 activations) serving the float checkpoint and the W8A8 export: decode tokens/s at
   batch 1 and batch 8, and resident weight bytes of the loaded model;
-* transformers' ``generate`` on the float checkpoint at batch 1, same prompt and length.
+* transformers' ``generate`` on the float checkpoint at batch 1, same prompt and length;
+* the float checkpoint again on a compiled engine (vLLM's default, no ``--enforce-eager``): decode
+  tokens/s compiled over eager at batch 1 and 8 (target: not slower) and both start-up times.
 
 Prints ratios (W8A8 / float, vLLM / transformers). Each vLLM engine runs in its own process.
 
@@ -44,22 +46,23 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 512, (n,), generator=g).tolist()
 
 
-def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "float32") -> None:
+def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "float32", compiled: bool = False) -> None:
     from vllm import LLM, SamplingParams
 
     from ascend_adapters.deepseek_v4.model import resident_weight_bytes
 
+    started = time.perf_counter()
     llm = LLM(
         model=model_dir,
         dtype=dtype,
-        enforce_eager=True,
+        enforce_eager=not compiled,
         max_model_len=prompt_len + gen + 8,
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
         skip_tokenizer_init=True,
     )
 
-    res = {"weight_bytes": llm.apply_model(resident_weight_bytes)[0]}
+    res = {"startup_s": time.perf_counter() - started, "weight_bytes": llm.apply_model(resident_weight_bytes)[0]}
     params = SamplingParams(temperature=0.0, max_tokens=gen, ignore_eos=True, detokenize=False)
     llm.generate([{"prompt_token_ids": _prompt(prompt_len, 0)}], params, use_tqdm=False)  # warm-up
     for batch in (1, 8):
@@ -74,7 +77,12 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "fl
 
 
 def run_engine(
-    model_dir: Path, prompt_len: int, gen: int, extra_env: dict | None = None, dtype: str = "float32"
+    model_dir: Path,
+    prompt_len: int,
+    gen: int,
+    extra_env: dict | None = None,
+    dtype: str = "float32",
+    compiled: bool = False,
 ) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -87,6 +95,7 @@ def run_engine(
         **(extra_env or {}),
     }
     cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out, "--dtype", dtype]
+    cmd += ["--compiled"] if compiled else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -142,6 +151,10 @@ def vs_native(prompt_len: int, gen: int) -> dict:
     return res
 
 
+# graph mode is what vLLM serves by default: compiled decode must not be slower than --enforce-eager
+COMPILED_TARGET = 1.0
+
+
 def _per_token_s(r: dict, batch: int) -> float:
     return 1.0 / r[f"tokens_per_s_batch{batch}"]
 
@@ -155,10 +168,11 @@ def main() -> int:
     add_evidence_dir_argument(ap)
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
+    ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         model_dir, prompt_len, gen, out = args.worker
-        worker(model_dir, int(prompt_len), int(gen), out, args.dtype)
+        worker(model_dir, int(prompt_len), int(gen), out, args.dtype, args.compiled)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -181,6 +195,7 @@ def main() -> int:
             results.update(
                 shape="ascend_adapters.deepseek_v4.tiny.TINY_CONFIG",
                 vllm_float32=run_engine(float_dir, prompt_len, gen),
+                vllm_float32_compiled=run_engine(float_dir, prompt_len, gen, compiled=True),
                 vllm_w8a8_dynamic=run_engine(w8a8_dir, prompt_len, gen),
                 transformers_generate_float32=hf_generate(float_dir, prompt_len, gen),
             )
@@ -208,6 +223,16 @@ def main() -> int:
                   "transformers generate (float32)", ours_tokens_per_s=round(f["tokens_per_s_batch1"], 2),
                   peer_tokens_per_s=round(hf["tokens_per_s_batch1"], 2))  # fmt: skip
         run.metric("w8a8_over_float_weight_bytes", round(results["ratios"]["w8a8_over_float_weight_bytes"], 3))
+        # graph mode, vLLM's default: compiled decode must not be slower than --enforce-eager
+        c = results["vllm_float32_compiled"]
+        for b in (1, 8):
+            ratio = run.ratio(f"compiled_vs_eager_decode_batch{b}", _per_token_s(c, b), _per_token_s(f, b),
+                              "vLLM float32 --enforce-eager", ours_tokens_per_s=round(c[f"tokens_per_s_batch{b}"], 2),
+                              peer_tokens_per_s=round(f[f"tokens_per_s_batch{b}"], 2))  # fmt: skip
+            run.check(f"compiled decode at batch {b} not slower than eager (ratio >= {COMPILED_TARGET})",
+                      ratio >= COMPILED_TARGET, round(ratio, 3))  # fmt: skip
+        run.metric("startup_s", {"compiled": round(c["startup_s"], 1), "eager": round(f["startup_s"], 1)})
+        print(f"compiled vs eager: start-up {c['startup_s']:.1f} s vs {f['startup_s']:.1f} s")
     if args.vs_native or not args.skip_vs_native:
         nat = results["vs_native"] = vs_native(prompt_len, gen)
         print(json.dumps(nat, indent=2))
@@ -219,7 +244,9 @@ def main() -> int:
             run.rec.skip("adapter vs vLLM's own DeepSeek-V4 ratio", native["why"])
     # a rate is only meaningful over the full requested length (ignore_eos / min_new_tokens)
     engines = {
-        k: results[k] for k in ("vllm_float32", "vllm_w8a8_dynamic", "transformers_generate_float32") if k in results
+        k: results[k]
+        for k in ("vllm_float32", "vllm_float32_compiled", "vllm_w8a8_dynamic", "transformers_generate_float32")
+        if k in results
     }
     engines.update(
         {f"vs_native {k}": v for k, v in results.get("vs_native", {}).items() if k in ("adapter", "vllm_native")}

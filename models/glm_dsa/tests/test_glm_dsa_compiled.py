@@ -177,18 +177,13 @@ def _forward_under_detector(inprocess_model, query_lens, seq_lens):
     return out, mode
 
 
+# a decode-only step; and two decodes with a prefill chunk of 12 tokens continuing a 20-token context
 @pytest.mark.vllm
-def test_decode_step_reads_no_device_value_on_host(inprocess_model):
-    out, mode = _forward_under_detector(inprocess_model, [1, 1, 1], [30, 9, 17])
-    assert mode.custom_ops.count("vllm.glm_dsa_attention.default") == len(inprocess_model[2])
-    assert mode.seen == [], mode.seen
-    assert torch.isfinite(out).all()
-
-
-@pytest.mark.vllm
-def test_mixed_step_reads_no_device_value_on_host(inprocess_model):
-    # two decodes and a prefill chunk of 12 tokens continuing a 20-token context
-    out, mode = _forward_under_detector(inprocess_model, [1, 1, 12], [25, 6, 32])
+@pytest.mark.parametrize(
+    "query_lens,seq_lens", [([1, 1, 1], [30, 9, 17]), ([1, 1, 12], [25, 6, 32])], ids=["decode", "mixed"]
+)
+def test_step_reads_no_device_value_on_host(inprocess_model, query_lens, seq_lens):
+    out, mode = _forward_under_detector(inprocess_model, query_lens, seq_lens)
     assert mode.custom_ops.count("vllm.glm_dsa_attention.default") == len(inprocess_model[2])
     assert mode.seen == [], mode.seen
     assert torch.isfinite(out).all()

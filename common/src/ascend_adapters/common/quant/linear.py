@@ -254,7 +254,7 @@ class ModelSlimW8A8StaticLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # ``bias`` (the float bias) is folded into quant_bias by the exporter: never added here.
         qb = layer.quant_bias if layer.modelslim_adds_quant_bias else None
-        return dispatch.op("modelslim.w8a8_static_linear")(
+        return torch.ops.vllm.ascend_adapters_w8a8_static_linear(
             x, layer.weight, layer.input_scale, layer.input_offset, layer.deq_scale, qb
         )
 
@@ -293,3 +293,37 @@ LINEAR_METHODS = {
     W8A8_DYNAMIC: ModelSlimW8A8DynamicLinearMethod,
     W8A8: ModelSlimW8A8StaticLinearMethod,
 }
+
+
+def _w8a8_static_linear_op(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    input_offset: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    return dispatch.op("modelslim.w8a8_static_linear")(x, weight, input_scale, input_offset, deq_scale, quant_bias)
+
+
+def _w8a8_static_linear_shape(x, weight, *args) -> torch.Tensor:
+    return x.new_empty(*x.shape[:-1], weight.shape[0])
+
+
+def _register_ops() -> None:
+    """``torch.ops.vllm.ascend_adapters_w8a8_static_linear``: the static W8A8 linear as one opaque call for
+    vLLM's torch.compile. Traced by inductor, it came out different from the eager kernel (a served GLM-DSA
+    W8A8 export drifted from its reference by ~4 in the logits; which of the per-tensor quantization and
+    the int32 GEMM differs was not isolated); kept opaque, the compiled model runs the eager kernel.
+    The dynamic linear's engine GEMM (EngineInt8Linear) traces exactly and is not wrapped."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    if not hasattr(torch.ops.vllm, "ascend_adapters_w8a8_static_linear"):
+        direct_register_custom_op(
+            op_name="ascend_adapters_w8a8_static_linear",
+            op_func=_w8a8_static_linear_op,
+            fake_impl=_w8a8_static_linear_shape,
+        )
+
+
+_register_ops()

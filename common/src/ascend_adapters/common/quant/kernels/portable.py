@@ -38,6 +38,9 @@ _INT_MM_OK: bool | None = None
 EXACT_F32_BLOCK = 1024
 
 
+# a property of this torch build, decided once: under vLLM's torch.compile the answer is a constant of
+# the traced graph, not a data-dependent branch (its probe reads a tensor value)
+@torch.compiler.assume_constant_result
 def _int_mm_available() -> bool:
     global _INT_MM_OK
     if _INT_MM_OK is None:
