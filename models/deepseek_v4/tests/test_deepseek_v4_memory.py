@@ -61,7 +61,8 @@ def test_status_prints_the_memory_lines():
     text = out.stdout
     block = text[text.index("  DeepseekV4ForCausalLM: adapter") :].splitlines()
     notes = M.status_notes()
-    assert block[1].startswith("    pipeline parallelism: "), text  # the adapter's capabilities line
-    assert block[2 : 2 + len(notes)] == [f"    {line}" for line in notes], text
+    assert block[1].startswith("    pipeline parallelism: "), text  # the adapter's capabilities lines
+    assert block[2].startswith("    graph mode: "), text
+    assert block[3 : 3 + len(notes)] == [f"    {line}" for line in notes], text
     for r, line in zip(M.flash_table(), notes[1:]):
         assert f" {r['concurrency']} sequence(s) per device" in line, line
