@@ -7,10 +7,11 @@ import os
 import random
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 from ascend_adapters.rwkv7.convert import convert
-from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, write_pth
+from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, self_repeating, write_pth
 
 # name -> shape; head size 64 as released models, and a smaller one with another head count
 CASES = {
@@ -22,12 +23,36 @@ CASES = {
 TP_CASES = {"h32x4_l2": {"n_layer": 2, "n_embd": 128, "head_size": 32, "vocab": 1024, "seed": 3}}
 
 
-def build_case(root: Path, name: str) -> tuple[Path, Path]:
-    """(source .pth, converted HF dir)."""
+def build_case(root: Path, name: str, *, repeating: bool = False) -> tuple[Path, Path]:
+    """(source .pth, converted HF dir). ``repeating``: the checkpoint made to repeat itself
+    (``tiny.self_repeating``: text n-gram speculation can draft)."""
     spec = {**CASES, **TP_CASES}[name]
-    pth = write_pth(root / f"{name}.pth", blinkdl_state_dict(**spec))
+    sd = blinkdl_state_dict(**spec)
+    if repeating:
+        sd, name = self_repeating(sd), f"{name}_repeating"
+    pth = write_pth(root / f"{name}.pth", sd)
     out = convert(pth, root / name, log=lambda *_: None)
     return pth, out
+
+
+def engine_run(model_dir, runs, max_tokens: int, llm_kwargs: dict, env: dict | None = None) -> list[dict]:
+    """``_rwkv7_engine_worker.py`` on one engine: per batch of ``runs``, its rows (prompt, generated
+    tokens, raw logits of each generated step) and vLLM's counters over that batch."""
+    import torch
+
+    spec = {"model": str(model_dir), "runs": runs, "max_tokens": max_tokens, "llm_kwargs": llm_kwargs}
+    with tempfile.TemporaryDirectory(prefix="rwkv7-engine-") as tmp:
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, str(Path(__file__).parent / "_rwkv7_engine_worker.py"), str(spec_path), str(out)],
+            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
+        return torch.load(out)
 
 
 def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:

@@ -18,7 +18,7 @@ def stage_layout(model) -> dict:
         "end_layer": inner.end_layer,
         "held_layers": held,
         # layers whose state-cache tensors vLLM bound (its Mamba state cache, per layer)
-        "state_layers": [i for i in held if len(inner.layers[i].kv_cache) == 3],
+        "state_layers": [i for i in held if len(inner.layers[i].kv_cache) == 4],
         "embeddings": not isinstance(inner.embeddings, PPMissingLayer),
         "norm": not isinstance(inner.norm, PPMissingLayer),
         "lm_head": not isinstance(model.lm_head, PPMissingLayer),

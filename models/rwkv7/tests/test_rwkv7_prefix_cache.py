@@ -17,16 +17,8 @@ the same requests on an engine without prefix caching, at the parity gate's boun
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
-
 import pytest
-import torch
-from _rwkv7_cases import CASES, build_case, prompts
+from _rwkv7_cases import CASES, build_case, engine_run, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -50,24 +42,7 @@ TOL = 1e-4
 
 
 def _run(model_dir, runs, prefix_caching: bool):
-    spec = {
-        "model": str(model_dir),
-        "runs": runs,
-        "max_tokens": MAX_TOKENS,
-        "llm_kwargs": {**BASE, "enable_prefix_caching": prefix_caching},
-    }
-    with tempfile.TemporaryDirectory(prefix="rwkv7-prefix-") as tmp:
-        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "_rwkv7_prefix_worker.py"), str(spec_path), str(out)],
-            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0"},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-        return torch.load(out)
+    return engine_run(model_dir, runs, MAX_TOKENS, {**BASE, "enable_prefix_caching": prefix_caching})
 
 
 @pytest.fixture(scope="module")

@@ -119,18 +119,6 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
         ["prefix_caching_all", str(good), {"enable_prefix_caching": True, "mamba_cache_mode": "all"}],
         ["pp2", str(good), {"pipeline_parallel_size": 2}],
         ["pp3_two_layers", str(good), {"pipeline_parallel_size": 3}],
-        [
-            "speculative",
-            str(good),
-            {
-                "speculative_config": {
-                    "method": "ngram",
-                    "num_speculative_tokens": 2,
-                    "prompt_lookup_max": 3,
-                    "prompt_lookup_min": 1,
-                }
-            },
-        ],
         ["config_vs_weights", variant("wrong_ffn", intermediate_size=512), {}],
         ["head_size", variant("wrong_head", head_dim=16, num_heads=4), {}],
     ]
@@ -152,7 +140,6 @@ def test_refusals_and_bad_checkpoints_at_engine_configuration(tiny, tmp_path):
         "RWKV-7 adapter: pipeline parallelism splits the layers across stages: pipeline_parallel_size=3 "
         "exceeds the 2 layers" in got["pp3_two_layers"]
     ), got["pp3_two_layers"]
-    assert "speculative decoding method 'ngram' is not served by this adapter (served: none)" in got["speculative"]
     assert "checkpoint and config.json disagree" in got["config_vs_weights"]
     assert "'model.layers.0.ffn.key.weight' has shape [256, 64], config implies [512, 64]" in got["config_vs_weights"]
     assert "head_dim 16 is not supported" in got["head_size"]

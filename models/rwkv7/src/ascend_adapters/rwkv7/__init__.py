@@ -3,7 +3,7 @@
 vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration of the model, plus the config class
 (``model_type: rwkv7``), the World tokenizer class and the start-up policy
-(``policy.py``: state-cache sizing; refusing speculative decoding, a head count
+(``policy.py``: state-cache sizing; refusing speculative methods other than n-gram, a head count
 that tensor parallelism cannot split, and more pipeline stages than layers).
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 _MODEL = "ascend_adapters.rwkv7.model:Rwkv7ForCausalLM"
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
-SPECULATIVE_METHODS: tuple[str, ...] = ()
+SPECULATIVE_METHODS: tuple[str, ...] = ("ngram",)
 # the model's state ops (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
 SPLITTING_OPS: tuple[str, ...] = ("vllm::rwkv7_token_shift", "vllm::rwkv7_wkv")
 

@@ -16,6 +16,12 @@ Batches come with decodes first (one token each: batched ``wkv_step``), then
 prefills (one ``wkv_chunk`` call over all of them, each starting from its
 stored state when the prompt is continued by chunked prefill).
 
+Speculative decoding (n-gram drafts): vLLM gives each request ``1 + k`` state rows
+and a decode up to ``1 + k`` tokens (the last sampled one and its drafts). The
+state after the decode's ``j``-th token goes to row ``j``, with the count of
+tokens it has consumed (a fourth state entry); the next step resumes from the
+row whose count equals the tokens accepted so far, so rejected drafts roll back.
+
 Tensor parallelism splits the heads: each rank holds ``H / tp`` heads of every
 time-mix (and their ``[H / tp, N, N]`` WKV states) and a column slice of the
 channel-mix; the two row-parallel projections all-reduce.
@@ -78,7 +84,13 @@ from vllm.model_executor.models.utils import (
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 from vllm.utils.torch_utils import direct_register_custom_op
+from vllm.v1.attention.backends.linear_attn import (
+    BailingLinearAttentionBackend,
+    BailingLinearAttentionMetadata,
+    BailingLinearAttentionMetadataBuilder,
+)
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
+from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
 from ascend_adapters.common import cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint
@@ -89,69 +101,154 @@ from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
 _DECAY_SCALE = 0.6065306597126334
 
 
-def state_shapes(config, tp_size: int = 1) -> tuple[tuple[int], tuple[int, int, int], tuple[int]]:
-    """Per rank: the two shift vectors hold the (replicated) layer input, the WKV matrix this rank's heads."""
+def state_shapes(config, tp_size: int = 1) -> tuple[tuple[int], tuple[int, int, int], tuple[int], tuple[int]]:
+    """Per rank: the two shift vectors hold the (replicated) layer input, the WKV matrix this rank's heads;
+    the last entry counts the tokens the row's state has consumed (which row to resume from)."""
     c, n = config.hidden_size, config.head_dim
-    return (c,), (c // n // tp_size, n, n), (c,)
+    return (c,), (c // n // tp_size, n, n), (c,), (1,)
 
 
-def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype]:
-    return model_dtype, torch.float32, model_dtype
+def state_dtypes(model_dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
+    return model_dtype, torch.float32, model_dtype, torch.int64
 
 
 def state_bytes_per_sequence(config, model_dtype: torch.dtype = torch.float32) -> int:
-    """Formula: layers x (2 C x sizeof(dtype) + H N^2 x 4)."""
+    """Formula: layers x (2 C x sizeof(dtype) + H N^2 x 4 + 8)."""
     c, n = config.hidden_size, config.head_dim
-    per_layer = 2 * c * torch.finfo(model_dtype).bits // 8 + (c // n) * n * n * 4
+    per_layer = 2 * c * torch.finfo(model_dtype).bits // 8 + (c // n) * n * n * 4 + 8
     return config.num_hidden_layers * per_layer
+
+
+class Rwkv7StateBackend(BailingLinearAttentionBackend):
+    """vLLM's linear-attention state backend with speculative decoding (Bailing's), whose metadata also
+    carries every request's state rows: vLLM keeps ``1 + num_speculative_tokens`` rows per request."""
+
+    @staticmethod
+    def get_builder_cls() -> type[Rwkv7StateMetadataBuilder]:
+        return Rwkv7StateMetadataBuilder
+
+
+@dataclass
+class Rwkv7StateMetadata(BailingLinearAttentionMetadata):
+    # [num_reqs, 1 + num_speculative_tokens] (None without speculation). Bailing's metadata has them only
+    # for a step with drafts (vLLM 0.27/0.28 leave a step without drafts out), but after a step that
+    # accepted some drafts, the state to resume from can be in any of the rows.
+    state_rows: torch.Tensor | None = None
+    # the longest decode of the step (host int, <= 1 + num_speculative_tokens): the token positions stepped
+    decode_width: int = 1
+
+
+class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False, **spec_args) -> Rwkv7StateMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build, **spec_args)
+        rows, width = None, 1
+        if self.num_spec_tokens:
+            rows = mamba_get_block_table_tensor(
+                common_attn_metadata.block_table_tensor,
+                common_attn_metadata.seq_lens,
+                self.kv_cache_spec,
+                self.vllm_config.cache_config.mamba_cache_mode,
+            )[:, : 1 + self.num_spec_tokens]
+            q = common_attn_metadata.query_start_loc_cpu[: md.num_decodes + 1]
+            width = int((q[1:] - q[:-1]).max()) if md.num_decodes else 1
+        return Rwkv7StateMetadata(**vars(md), state_rows=rows, decode_width=width)
 
 
 @dataclass
 class _Batch:
-    """How the flat token batch splits into sequences, from the LINEAR backend's metadata.
+    """How the flat token batch splits into sequences, from the state backend's metadata.
 
-    ``starts``/``ends``/``prefill_cu`` (host values) exist only for a step with prefills; a
-    decode-only step is described by device tensors alone (capture-safe).
+    Decodes come first: request ``i`` has ``1..W`` tokens (``W = 1 + num_speculative_tokens``);
+    its stored state is read from row ``decode_src[i]`` and the state after its ``j``-th token is
+    written to row ``decode_dst[i, j]``. Everything about decodes is a device tensor (capture-safe);
+    the host values ``starts``/``ends`` exist only for a step with prefills.
     """
 
     num_tokens: int
     num_decodes: int
+    num_decode_tokens: int
     num_prefills: int
-    slots: torch.Tensor  # [num_reqs] state-cache rows
-    fresh: torch.Tensor  # [num_reqs] bool: no context before this step (state must start at zero)
-    first: torch.Tensor  # [num_reqs] index of each sequence's first token
-    last: torch.Tensor  # [num_reqs] index of each sequence's last token
+    decode_src: torch.Tensor  # [nd] state-cache row each decode starts from
+    decode_dst: torch.Tensor  # [nd, W] row that receives the state after token j
+    decode_tok: torch.Tensor  # [nd, W] flat index of token j (clamped into the decode tokens)
+    decode_active: torch.Tensor  # [nd, W] bool: request i has a j-th token
+    decode_req: torch.Tensor  # [num_decode_tokens] request of each decode token
+    decode_pos: torch.Tensor  # [num_decode_tokens] its position j within the request
+    decode_computed: torch.Tensor  # [nd] tokens before this step (0: the state starts at zero)
+    prefill_slots: torch.Tensor  # [np]
+    prefill_computed: torch.Tensor  # [np]
+    prefill_first: torch.Tensor  # [np] flat index of each prefill's first token
+    prefill_last: torch.Tensor  # [np] and of its last
     starts: list[int] | None = None
     ends: list[int] | None = None
     prefill_cu: torch.Tensor | None = None  # [num_prefills + 1] prefill starts relative to the first prefill
+
+    @property
+    def decode_fresh(self) -> torch.Tensor:
+        return self.decode_computed <= 0
+
+    @property
+    def prefill_fresh(self) -> torch.Tensor:
+        return self.prefill_computed <= 0
+
+    @property
+    def width(self) -> int:
+        return self.decode_dst.shape[1]
 
     @property
     def prefill_start(self) -> int:
         return self.starts[self.num_decodes] if self.num_prefills else self.num_tokens
 
     @classmethod
-    def from_metadata(cls, md) -> _Batch:
-        nd, npf = md.num_decodes, md.num_prefills
+    def from_metadata(cls, md, tokens_state: torch.Tensor) -> _Batch:
+        nd, npf, ndt = md.num_decodes, md.num_prefills, md.num_decode_tokens
         num_reqs = nd + npf
-        slots = md.state_indices_tensor[:num_reqs].long()
-        if npf == 0:  # decodes only: one token per request, nothing read on the host
-            pos = torch.arange(nd, device=slots.device)
-            return cls(md.num_decode_tokens, nd, 0, slots, (md.seq_lens[:nd] <= 1).to(slots.device), pos, pos)
-        qsl = md.query_start_loc[: num_reqs + 1].tolist()
-        q_lens = torch.tensor([qsl[i + 1] - qsl[i] for i in range(num_reqs)], dtype=torch.long)
-        fresh = (md.seq_lens[:num_reqs].to("cpu", torch.long) - q_lens) <= 0
-        p0 = qsl[nd]
-        return cls(
-            num_tokens=md.num_decode_tokens + md.num_prefill_tokens,
+        dev = md.state_indices_tensor.device
+        qsl = md.query_start_loc[: num_reqs + 1].to(dev, torch.long)
+        computed = md.seq_lens[:num_reqs].to(dev, torch.long) - (qsl[1:] - qsl[:-1])
+        rows = getattr(md, "state_rows", None)
+        if rows is not None:
+            # speculation: resume from the row whose state has consumed exactly the tokens before this
+            # step (vLLM hands its count of accepted drafts only to hybrid models' backends, so each row
+            # records its own count). Every step rewrites rows 0..width-1 (a row without a token gets
+            # count -1), so the right row is the first match: a later row can still hold an equal count
+            # from a rejected draft or an earlier owner, never an earlier one.
+            rows = rows[:nd].long()
+            matches = tokens_state[rows].view(rows.shape) == computed[:nd].unsqueeze(1)
+            src = rows.gather(1, matches.int().argmax(1, keepdim=True)).squeeze(1)
+            rows = rows[:, : md.decode_width]
+        else:
+            rows = md.state_indices_tensor[:nd].long().unsqueeze(1)
+            src = rows[:, 0]
+        j = torch.arange(rows.shape[1], device=dev)
+        tok = qsl[:nd].unsqueeze(1) + j
+        decode_req = torch.searchsorted(qsl[1 : nd + 1], torch.arange(ndt, device=dev), right=True)
+        batch = dict(
+            num_tokens=ndt + md.num_prefill_tokens,
             num_decodes=nd,
+            num_decode_tokens=ndt,
             num_prefills=npf,
-            slots=slots,
-            fresh=fresh.to(slots.device),
-            first=torch.tensor(qsl[:-1], dtype=torch.long, device=slots.device),
-            last=torch.tensor(qsl[1:], dtype=torch.long, device=slots.device) - 1,
-            starts=qsl[:-1],
-            ends=qsl[1:],
-            prefill_cu=torch.tensor([q - p0 for q in qsl[nd:]], dtype=torch.long),
+            decode_src=src,
+            decode_dst=rows,
+            decode_tok=tok.clamp(max=max(ndt - 1, 0)),
+            decode_active=tok < qsl[1 : nd + 1].unsqueeze(1),
+            decode_req=decode_req,
+            decode_pos=torch.arange(ndt, device=dev) - qsl[decode_req],
+            decode_computed=computed[:nd],
+            prefill_slots=md.state_indices_tensor[nd:num_reqs].long(),
+            prefill_computed=computed[nd:],
+            prefill_first=qsl[nd:num_reqs],
+            prefill_last=qsl[nd + 1 :] - 1,
+        )
+        if npf == 0:  # decodes only: nothing read on the host
+            return cls(**batch)
+        bounds = md.query_start_loc[: num_reqs + 1].tolist()
+        p0 = bounds[nd]
+        return cls(
+            **batch,
+            starts=bounds[:-1],
+            ends=bounds[1:],
+            prefill_cu=torch.tensor([q - p0 for q in bounds[nd:]], dtype=torch.long),
         )
 
 
@@ -159,10 +256,11 @@ class _Batch:
 _step_batch: tuple[object, _Batch] | None = None
 
 
-def _batch_of(md) -> _Batch:
+def _batch_of(md, tokens_state: torch.Tensor) -> _Batch:
+    """``tokens_state``: the calling layer's token counts; every layer of the group writes the same."""
     global _step_batch
     if _step_batch is None or _step_batch[0] is not md:
-        _step_batch = (md, _Batch.from_metadata(md))
+        _step_batch = (md, _Batch.from_metadata(md, tokens_state))
     return _step_batch[1]
 
 
@@ -171,6 +269,18 @@ def _stored(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> to
     request's state, or anything else: selected, not multiplied, so inf or NaN there cannot leak)."""
     rows = state[slots]
     return torch.where(fresh.view(-1, *([1] * (rows.dim() - 1))), rows.new_zeros(()), rows)
+
+
+def _store_decodes(state: torch.Tensor, batch: _Batch, rows: torch.Tensor) -> None:
+    """``rows`` ``[nd, W, ...]``: the state after each decode's ``j``-th token, into its row ``j``; a
+    decode without a ``j``-th token keeps that row."""
+    dst = batch.decode_dst.reshape(-1)
+    rows = rows.reshape(-1, *rows.shape[2:]).to(state.dtype)
+    if batch.width == 1:  # no speculation: one token per decode
+        state[dst] = rows
+        return
+    active = batch.decode_active.reshape(-1, *([1] * (rows.dim() - 1)))
+    state[dst] = torch.where(active, rows, state[dst])
 
 
 def rwkv7_token_shift(x: torch.Tensor, prev: torch.Tensor, layer_name: str, state_index: int) -> None:
@@ -351,6 +461,9 @@ class Rwkv7Block(nn.Module, MambaBase):
     def get_state_dtype(self):
         return state_dtypes(self.model_dtype)
 
+    def get_attn_backend(self):
+        return Rwkv7StateBackend
+
     # --- the state ops' bodies (run outside the compiled graph pieces)
     def _step(self) -> _Batch | None:
         md = get_forward_context().attn_metadata
@@ -358,7 +471,7 @@ class Rwkv7Block(nn.Module, MambaBase):
             md = md.get(self.prefix)
         if md is None or not self.kv_cache:  # dummy/profiling run: one sequence, fresh state, nothing stored
             return None
-        return _batch_of(md)
+        return _batch_of(md, self.kv_cache[3])
 
     def token_shift(self, x: torch.Tensor, prev: torch.Tensor, state_index: int) -> None:
         batch = self._step()
@@ -367,8 +480,13 @@ class Rwkv7Block(nn.Module, MambaBase):
         if batch is None:
             return
         shift_state = self.kv_cache[state_index]
-        prev[batch.first] = _stored(shift_state, batch.slots, batch.fresh).to(x.dtype)
-        shift_state[batch.slots] = x[batch.last].to(shift_state.dtype)
+        if batch.num_decodes:
+            prev[batch.decode_tok[:, 0]] = _stored(shift_state, batch.decode_src, batch.decode_fresh).to(x.dtype)
+            _store_decodes(shift_state, batch, x[batch.decode_tok])
+        if batch.num_prefills:
+            slots = batch.prefill_slots
+            prev[batch.prefill_first] = _stored(shift_state, slots, batch.prefill_fresh).to(x.dtype)
+            shift_state[slots] = x[batch.prefill_last].to(shift_state.dtype)
 
     def wkv(self, r, w, k, v, a, b, y: torch.Tensor) -> None:
         chunk = dispatch.op("rwkv7.wkv_chunk")
@@ -380,12 +498,25 @@ class Rwkv7Block(nn.Module, MambaBase):
         nd, n = batch.num_decodes, batch.num_tokens
         y[n:] = 0  # padding rows
         if nd:
-            slots = batch.slots[:nd]
-            state = _stored(wkv_state, slots, batch.fresh[:nd])
-            y[:nd] = dispatch.op("rwkv7.wkv_step")(r[:nd], w[:nd], k[:nd], v[:nd], a[:nd], b[:nd], state)
-            wkv_state[slots] = state
+            # token j of every decode in one batched step; under speculation the state after each token
+            # is kept in its own row, so the next step starts from the last accepted one
+            step, width = dispatch.op("rwkv7.wkv_step"), batch.width
+            rd, wd, kd, vd, ad, bd = (t[batch.decode_tok] for t in (r, w, k, v, a, b))  # [nd, W, H, N]
+            state = _stored(wkv_state, batch.decode_src, batch.decode_fresh)
+            y_decode = y.new_empty(nd, width, *y.shape[1:])
+            states = state.new_empty(nd, width, *state.shape[1:]) if width > 1 else state.unsqueeze(1)
+            for j in range(width):
+                y_decode[:, j] = step(rd[:, j], wd[:, j], kd[:, j], vd[:, j], ad[:, j], bd[:, j], state)
+                if width > 1:
+                    states[:, j] = state
+            _store_decodes(wkv_state, batch, states)
+            # a row without a j-th token is marked unused (-1), so no stale count can match next step
+            j = torch.arange(width, device=y.device)
+            tokens = torch.where(batch.decode_active, batch.decode_computed.unsqueeze(1) + j + 1, -1)
+            self.kv_cache[3][batch.decode_dst.reshape(-1)] = tokens.reshape(-1, 1)
+            y[: batch.num_decode_tokens] = y_decode[batch.decode_req, batch.decode_pos]
         if batch.num_prefills and self.attn.batched_prefill:  # every prefill of the step in one call
-            s, slots = batch.prefill_start, batch.slots[nd:]
+            s, slots = batch.prefill_start, batch.prefill_slots
             y[s:n], final = chunk(
                 r[s:n],
                 w[s:n],
@@ -393,16 +524,18 @@ class Rwkv7Block(nn.Module, MambaBase):
                 v[s:n],
                 a[s:n],
                 b[s:n],
-                _stored(wkv_state, slots, batch.fresh[nd:]),
+                _stored(wkv_state, slots, batch.prefill_fresh),
                 cu_seqlens=batch.prefill_cu,
             )
             wkv_state[slots] = final
+            self.kv_cache[3][slots] = (batch.prefill_computed + batch.prefill_cu.diff().to(slots.device)).unsqueeze(1)
         elif batch.num_prefills:
-            for i in range(nd, len(batch.starts)):
-                s, e, slot = batch.starts[i], batch.ends[i], batch.slots[i : i + 1]
-                initial = _stored(wkv_state, slot, batch.fresh[i : i + 1])
+            for i in range(batch.num_prefills):
+                s, e, slot = batch.starts[nd + i], batch.ends[nd + i], batch.prefill_slots[i : i + 1]
+                initial = _stored(wkv_state, slot, batch.prefill_fresh[i : i + 1])
                 y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], initial)
                 wkv_state[slot] = final
+                self.kv_cache[3][slot] = batch.prefill_computed[i] + (e - s)
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
         h = self.pre_norm(x) if self.layer_id == 0 else x
@@ -512,7 +645,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP, Su
 
     @classmethod
     def get_mamba_state_copy_func(cls):
-        return (get_temporal_copy_spec,) * 3  # token-shift [C], WKV [H, N, N], token-shift [C]
+        return (get_temporal_copy_spec,) * 4  # token-shift [C], WKV [H, N, N], token-shift [C], tokens [1]
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
         super().__init__()

@@ -43,7 +43,13 @@ def unsupported_reasons(vllm_config) -> list[str]:
 
     refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
     if refusal:
-        reasons.append(f"{refusal} (the recurrent state does not roll back rejected tokens yet)")
+        reasons.append(f"{refusal} (RWKV-7 has no draft model; n-gram drafts need none)")
+    elif vllm_config.speculative_config is not None and cache.enable_prefix_caching:
+        reasons.append(
+            "speculative decoding with prefix caching is not supported: in vLLM's 'align' mode the state rows "
+            "of accepted drafts are moved to their block only for hybrid models; serve without "
+            "--enable-prefix-caching"
+        )
     return reasons
 
 

@@ -67,6 +67,24 @@ def blinkdl_state_dict(
     return sd
 
 
+def self_repeating(sd: dict, time_mix_scale: float = 0.05) -> dict:
+    """``sd`` made to repeat itself, for speculative decoding (n-gram drafts need text that recurs).
+
+    The channel-mix sees only the current token (``ffn.x_k`` = 0) and every time-mix output is scaled by
+    ``time_mix_scale``: the next token is then almost a function of the current one, so greedy output
+    falls into cycles that an n-gram proposer predicts. The recurrent state still moves the logits (by
+    about ``time_mix_scale`` of their spread), so a draft is sometimes rejected, and a state rolled back
+    to the wrong token shows in the logits.
+    """
+    out = dict(sd)
+    for name, t in sd.items():
+        if name.endswith("ffn.x_k"):
+            out[name] = t * 0
+        elif name.endswith("att.output.weight"):
+            out[name] = t * time_mix_scale
+    return out
+
+
 def write_pth(path: str | Path, sd: dict) -> Path:
     import torch
 

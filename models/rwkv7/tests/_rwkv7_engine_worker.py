@@ -1,22 +1,45 @@
 """Subprocess: run prompt batches one after another on one vLLM engine and report, per
-request, the generated tokens, their raw logits and vLLM's own prefix-cache accounting.
+request, the generated tokens and their raw logits, and per batch vLLM's own counters.
 
-``python _rwkv7_prefix_worker.py SPEC_JSON OUT_PT``; the spec holds ``model``, ``runs``
+``python _rwkv7_engine_worker.py SPEC_JSON OUT_PT``; the spec holds ``model``, ``runs``
 (a list of batches of token-id prompts), ``max_tokens`` and ``llm_kwargs``. No prompt
 logprobs are asked for: vLLM does not read the prefix cache for requests that want them.
-After each batch the engine's counters ``vllm:prefix_cache_hits`` / ``vllm:prefix_cache_queries``
-are read (``LLM.get_metrics``).
+Before and after each batch the engine's counters are read (``LLM.get_metrics``): prefix-cache
+hits and queries, and the speculative decoding counters (drafts, draft tokens, accepted tokens,
+accepted tokens per draft position).
 """
 
 import json
 import sys
 
+COUNTERS = (
+    "vllm:prefix_cache_hits",
+    "vllm:prefix_cache_queries",
+    "vllm:spec_decode_num_drafts",
+    "vllm:spec_decode_num_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens",
+)
+PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
+
 
 def _counters(llm) -> dict:
     out = {}
     for m in llm.get_metrics():
-        if m.name in ("vllm:prefix_cache_hits", "vllm:prefix_cache_queries"):
+        if m.name in COUNTERS:
             out[m.name] = out.get(m.name, 0) + int(m.value)
+        elif m.name == PER_POSITION:
+            old = out.get(m.name, [0] * len(m.values))
+            out[m.name] = [a + int(b) for a, b in zip(old, m.values)]
+    return out
+
+
+def _delta(before: dict, after: dict) -> dict:
+    out = {}
+    for name, value in after.items():
+        if isinstance(value, list):
+            out[name] = [a - b for a, b in zip(value, before.get(name, [0] * len(value)))]
+        else:
+            out[name] = value - before.get(name, 0)
     return out
 
 
@@ -60,11 +83,13 @@ def main(spec_path, out_path):
                     "num_cached_tokens": res.num_cached_tokens,
                 }
             )
+        counters = _delta(before, after)
         out.append(
             {
                 "rows": rows,
-                "hits": after.get("vllm:prefix_cache_hits", 0) - before.get("vllm:prefix_cache_hits", 0),
-                "queries": after.get("vllm:prefix_cache_queries", 0) - before.get("vllm:prefix_cache_queries", 0),
+                "hits": counters.get("vllm:prefix_cache_hits", 0),
+                "queries": counters.get("vllm:prefix_cache_queries", 0),
+                "counters": counters,
             }
         )
     torch.save(out, out_path)
