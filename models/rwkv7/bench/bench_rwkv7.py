@@ -13,7 +13,7 @@ Measures, float32:
    plus the WKV kernel alone (``wkv7_chunk`` vs ``wkv7_step`` per token);
 3. state bytes per sequence at context 128, 1k, 4k: read from vLLM's scheduler (blocks held by a
    running request x bytes per block) and from the rwkv package's state, against the formula
-   ``layers x (2 C x 4 + H N^2 x 4)``;
+   ``layers x (2 C x 4 + H N^2 x 4 + 8)``;
 4. (section ``prefill_batch``) prefill of 8 concurrent 512-token prompts: every prefill of the
    step in one ``wkv7_chunk`` call against the per-sequence loop (one call per prompt), at the
    kernel level and served (the same engine, the model switched between the two paths);
@@ -22,7 +22,15 @@ Measures, float32:
    start-up time (compilation included) beside it;
 6. (section ``prefix_cache``) time to first token of a request whose prompt shares whole blocks
    with an earlier one, with ``--enable-prefix-caching``, against a request of the same length
-   sharing nothing, on the same engine.
+   sharing nothing, on the same engine;
+7. (section ``speculative``) decode tokens/s at batch 1 and 8 with vLLM's n-gram speculative decoding
+   (3 draft tokens) against the same engine settings without it, both compiled, with vLLM's acceptance
+   counters (per draft position, mean accepted length). The text repeats as in a code edit: each
+   prompt is a 32-token text and the model's own greedy continuation of it, then the text and the
+   continuation's first 8 tokens again, so the answer repeats what the prompt holds (batch 8: 8 such
+   prompts of different texts); the checkpoint is made to repeat itself
+   (``tiny.self_repeating``: its next token is almost a function of the current one), so that a random
+   model answers the same way twice.
 
 ``--sections`` picks what runs (default: everything); ``--evidence-dir`` writes the numbers as an
 evidence record (``<dir>/rwkv7/bench.json``: versions, load average at start and end, commands).
@@ -49,6 +57,7 @@ FULL = {"n_layer": 12, "n_embd": 768, "head_size": 64, "vocab": 65536, "ranks": 
 QUICK = {"n_layer": 2, "n_embd": 128, "head_size": 64, "vocab": 4096, "ranks": {"w": 16, "a": 16, "v": 8, "g": 32}}
 CONTEXTS = (128, 1024, 4096)
 BATCH_PROMPTS, BATCH_PROMPT_TOKENS = 8, 512
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 # prefix caching: a 1024-token shared prefix (4 blocks of 256) and a 64-token tail
 PREFIX_BLOCK, PREFIX_SHARED_TOKENS, PREFIX_TAIL_TOKENS = 256, 1024, 64
 
@@ -176,13 +185,16 @@ def _generate_timer(llm):
     return gen
 
 
-def decode_tok_s(llm, prompt, decode_tokens, repeats) -> dict:
-    """Decode tokens/s at batch 1 and 8: (time for 1 + n tokens) - (time for 1 token), best of ``repeats``."""
+def decode_tok_s(llm, prompt, decode_tokens, repeats, batch_prompts=None) -> dict:
+    """Decode tokens/s at batch 1 and 8: (time for 1 + n tokens) - (time for 1 token), best of ``repeats``.
+    Batch 8 runs ``batch_prompts`` (default: ``prompt`` and 7 prefixes of it)."""
     gen = _generate_timer(llm)
     gen([prompt], 4)  # warm-up
     res = {}
     for batch in (1, 8):
-        prompts = [prompt[: len(prompt) - i] for i in range(batch)]
+        prompts = (
+            [prompt[: len(prompt) - i] for i in range(batch)] if batch == 1 or not batch_prompts else batch_prompts
+        )
         t1 = min(gen(prompts, 1) for _ in range(repeats))
         tn = min(gen(prompts, decode_tokens + 1) for _ in range(repeats))
         res[f"decode_b{batch}_tok_s"] = batch * decode_tokens / max(tn - t1, 1e-9)
@@ -328,9 +340,25 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
             kv_cache_memory_bytes=512 << 20,
             max_num_seqs=8,
             skip_tokenizer_init=True,
+            speculative_config=spec.get("speculative_config"),
+            disable_log_stats=not spec.get("counters", False),
         )
         res = {"startup_s": time.perf_counter() - t0}
-        res.update(decode_tok_s(llm, spec["prompt"], spec["decode_tokens"], spec["repeats"]))
+        prompt, batch_prompts = spec["prompt"], None
+        if spec.get("echo"):  # each prompt holds the text its answer will repeat (what a code edit looks like)
+            sp = SamplingParams(
+                max_tokens=spec["decode_tokens"] + 16, temperature=0.0, ignore_eos=True, detokenize=False
+            )
+            texts = [prompt] + [_ids(len(prompt), spec["vocab"], 500 + i) for i in range(7)]
+            outs = llm.generate([{"prompt_token_ids": t} for t in texts], sp, use_tqdm=False)
+            answers = [list(o.outputs[0].token_ids) for o in outs]
+            # the text and the model's own continuation of it, then both again: the answer goes on repeating
+            batch_prompts = [t + a + t + a[:8] for t, a in zip(texts, answers)]
+            prompt = batch_prompts[0]
+            res["prompt_tokens"] = len(prompt)
+        res.update(decode_tok_s(llm, prompt, spec["decode_tokens"], spec["repeats"], batch_prompts))
+        if spec.get("speculative_config"):
+            res["spec_decode"] = spec_decode_counters(llm)
     elif kind == "prefill_batch":
         prompts = spec["prompts"]
         llm = LLM(
@@ -415,6 +443,20 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
     return 0
 
 
+def spec_decode_counters(llm) -> dict:
+    """vLLM's speculative decoding counters over the engine's life, and the acceptance they give."""
+    c = {}
+    for m in llm.get_metrics():
+        if m.name == "vllm:spec_decode_num_accepted_tokens_per_pos":
+            c["accepted_per_position"] = [int(v) for v in m.values]
+        elif m.name.startswith("vllm:spec_decode_num_"):
+            c[m.name.removeprefix("vllm:spec_decode_")] = int(m.value)
+    drafts = max(c.get("num_drafts", 0), 1)
+    c["acceptance_per_position"] = [n / drafts for n in c.get("accepted_per_position", [])]
+    c["mean_accepted_length"] = 1 + c.get("num_accepted_tokens", 0) / drafts  # tokens per verification step
+    return c
+
+
 def run_served(kind, spec, env=None):
     with tempfile.TemporaryDirectory() as tmp:
         spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
@@ -452,6 +494,10 @@ TARGETS = {
     # graph mode is what vLLM serves by default: it must not decode slower than --enforce-eager
     "decode_b1_compiled_over_eager": (1.0, "compiled decode at batch 1 at least as fast as eager"),
     "decode_b8_compiled_over_eager": (1.0, "compiled decode at batch 8 at least as fast as eager"),
+    # where the answer repeats the prompt (drafts mostly right) a verification step yields several tokens:
+    # speculation must at least pay for the longer step it runs
+    "decode_b1_ngram_over_plain": (1.0, "n-gram speculation at batch 1 at least as fast as plain decode"),
+    "decode_b8_ngram_over_plain": (1.0, "n-gram speculation at batch 8 at least as fast as plain decode"),
 }
 
 
@@ -486,8 +532,9 @@ def main(argv=None) -> int:
     )
     ap.add_argument(
         "--sections",
-        default="package,compiled,prefill_batch,prefix_cache",
-        help="comma-separated: package (vLLM vs the rwkv package, items 1-3), compiled, prefill_batch, prefix_cache",
+        default="package,compiled,prefill_batch,prefix_cache,speculative",
+        help="comma-separated: package (vLLM vs the rwkv package, items 1-3), compiled, prefill_batch, prefix_cache, "
+        "speculative",
     )
     add_evidence_dir_argument(ap)
     ap.add_argument("--_rwkv-worker", nargs=2, help=argparse.SUPPRESS)
@@ -506,7 +553,7 @@ def main(argv=None) -> int:
         )
         return 2
     sections = set(args.sections.split(","))
-    unknown = sections - {"package", "compiled", "prefill_batch", "prefix_cache"}
+    unknown = sections - {"package", "compiled", "prefill_batch", "prefix_cache", "speculative"}
     if unknown:
         ap.error(f"unknown section(s) {sorted(unknown)}")
 
@@ -514,7 +561,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ascend_adapters.rwkv7.convert import convert
-    from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, write_pth
+    from ascend_adapters.rwkv7.tiny import blinkdl_state_dict, self_repeating, write_pth
 
     shape = QUICK if args.quick else FULL
     threads = len(os.sched_getaffinity(0))
@@ -543,6 +590,29 @@ def main(argv=None) -> int:
             for batch in (1, 8):
                 key = f"decode_b{batch}_tok_s"
                 result["ratios"][f"decode_b{batch}_compiled_over_eager"] = modes["compiled"][key] / modes["eager"][key]
+        if "speculative" in sections:
+            # time-mix scale 0.01: at the tests' 0.05, 3 of 8 answers leave their text within a few tokens
+            repeating = self_repeating(blinkdl_state_dict(seed=0, **shape), time_mix_scale=0.01)
+            pth_repeating = write_pth(Path(tmp) / "r.pth", repeating)
+            spec = {
+                "model": str(convert(pth_repeating, Path(tmp) / "hf_r", tokenizer=False, log=lambda *_: None)),
+                "prompt": _ids(32, shape["vocab"], 1),
+                "decode_tokens": args.decode_tokens or (32 if args.quick else 64),
+                "max_model_len": 256,
+                "repeats": args.repeats,
+                "enforce_eager": False,
+                "counters": True,
+                "echo": True,
+                "vocab": shape["vocab"],
+            }
+            modes = {}
+            for name, config in (("ngram", NGRAM), ("plain", None)):
+                modes[name] = run_served("decode", {**spec, "speculative_config": config})
+                _progress(f"served {name}: decode", modes[name])
+            result["speculative"] = {"speculative_config": NGRAM, **modes}
+            for batch in (1, 8):
+                key = f"decode_b{batch}_tok_s"
+                result["ratios"][f"decode_b{batch}_ngram_over_plain"] = modes["ngram"][key] / modes["plain"][key]
         if "prefill_batch" in sections:
             lengths = [BATCH_PROMPT_TOKENS] * BATCH_PROMPTS
             # one thread as well: on a shared, oversubscribed VM multi-threaded timings mostly measure the wait
@@ -613,6 +683,15 @@ def main(argv=None) -> int:
             f"batch 8 {c['decode_b8_tok_s']:.0f} vs {e['decode_b8_tok_s']:.0f} tok/s; start-up "
             f"{c['startup_s']:.1f} s compiled, {e['startup_s']:.1f} s eager"
         )
+    if "speculative" in sections:
+        sp, pl = result["speculative"]["ngram"], result["speculative"]["plain"]
+        acc = ", ".join(f"{a:.2f}" for a in sp["spec_decode"]["acceptance_per_position"])
+        print(
+            f"decode with n-gram speculation vs without (self-repeating checkpoint): batch 1 "
+            f"{sp['decode_b1_tok_s']:.0f} vs {pl['decode_b1_tok_s']:.0f} tok/s, batch 8 {sp['decode_b8_tok_s']:.0f} vs "
+            f"{pl['decode_b8_tok_s']:.0f} tok/s; acceptance per draft position {acc}, mean accepted length "
+            f"{sp['spec_decode']['mean_accepted_length']:.2f}"
+        )
     if "prefix_cache" in sections:
         pc = result["prefix_cache"]
         print(
@@ -638,7 +717,15 @@ def _write_evidence(result, args, argv):
     rec.command(["python", "models/rwkv7/bench/bench_rwkv7.py", *(argv if argv is not None else sys.argv[1:])])
     for key in ("shape", "dtype", "threads", "sections", "ratios", "load_average_at_start", "load_average_at_end"):
         rec.metric(key, result[key])
-    for key in ("compiled", "prefill_batch", "prefix_cache", "rwkv_package", "vllm_adapter", "wkv_kernel"):
+    for key in (
+        "compiled",
+        "speculative",
+        "prefill_batch",
+        "prefix_cache",
+        "rwkv_package",
+        "vllm_adapter",
+        "wkv_kernel",
+    ):
         if key in result:
             rec.metric(key, result[key])
     for name, value, target, why, met in judged(result["ratios"]):
