@@ -74,3 +74,29 @@ def engine_configs(cases, tmp_path) -> dict:
     )
     assert proc.returncode == 0 and out.exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+def build_inprocess_model(ckpt: Path, state_rows: int):
+    """``(vllm_config, model)``: the checkpoint's vLLM model built in this process, weights loaded and
+    prepacked as the engine does, each layer with a random state cache of ``state_rows`` rows."""
+    import torch
+    from safetensors.torch import load_file
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from ascend_adapters.rwkv7 import register
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+    register()
+    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
+    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
+    with set_current_vllm_config(cfg):
+        ensure_single_rank_parallel_state()
+        model = initialize_model(cfg)
+    model.load_weights(iter(load_file(str(ckpt / "model.safetensors")).items()))
+    with set_current_vllm_config(cfg):
+        process_weights_after_loading(model, mc, torch.device("cpu"))  # vLLM's CPU linears prepack here
+    for layer in model.model.layers:
+        shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
+        layer.kv_cache = tuple(torch.randn(state_rows, *s).to(d) for s, d in zip(shapes, dtypes))
+    return cfg, model

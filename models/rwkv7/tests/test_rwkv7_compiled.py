@@ -23,7 +23,7 @@ import time
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, prompts
+from _rwkv7_cases import CASES, build_case, build_inprocess_model, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -130,31 +130,9 @@ def test_compiled_gate_evidence(served, served_tp2, evidence_root):
 
 @pytest.fixture(scope="module")
 def inprocess_model(tmp_path_factory):
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model
-
-    from ascend_adapters.rwkv7 import register
     from ascend_adapters.rwkv7.tiny import make_tiny
-    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
-    register()
-    ckpt = make_tiny(tmp_path_factory.mktemp("rwkv7_capture") / "tiny")
-    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
-    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
-    with set_current_vllm_config(cfg):
-        ensure_single_rank_parallel_state()
-        model = initialize_model(cfg)
-    from safetensors.torch import load_file
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
-    model.load_weights(iter(load_file(str(ckpt / "model.safetensors")).items()))
-    with set_current_vllm_config(cfg):
-        process_weights_after_loading(model, mc, torch.device("cpu"))  # vLLM's CPU linears prepack here
-    slots = 6
-    for layer in model.model.layers:
-        shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
-        layer.kv_cache = tuple(torch.randn(slots, *s).to(d) for s, d in zip(shapes, dtypes))
-    return cfg, model
+    return build_inprocess_model(make_tiny(tmp_path_factory.mktemp("rwkv7_capture") / "tiny"), state_rows=6)
 
 
 def _decode_metadata(seq_lens: list[int], slots: list[int]):

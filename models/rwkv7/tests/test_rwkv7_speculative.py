@@ -26,7 +26,7 @@ import time
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, engine_configs, engine_run, prompts
+from _rwkv7_cases import CASES, build_case, build_inprocess_model, engine_configs, engine_run, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -139,27 +139,8 @@ def test_unsupported_speculation_is_refused_at_startup(tmp_path):
 
 @pytest.fixture(scope="module")
 def inprocess_model(tmp_path_factory):
-    from safetensors.torch import load_file
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-
-    from ascend_adapters.rwkv7 import register
-    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
-
-    register()
     _, ckpt = build_case(tmp_path_factory.mktemp("rwkv7_rollback"), CASE, repeating=True)
-    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
-    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
-    with set_current_vllm_config(cfg):
-        ensure_single_rank_parallel_state()
-        model = initialize_model(cfg)
-    model.load_weights(iter(load_file(str(ckpt / "model.safetensors")).items()))
-    with set_current_vllm_config(cfg):
-        process_weights_after_loading(model, mc, torch.device("cpu"))
-    for layer in model.model.layers:
-        shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
-        layer.kv_cache = tuple(torch.randn(12, *s).to(d) for s, d in zip(shapes, dtypes))
-    return cfg, model
+    return build_inprocess_model(ckpt, state_rows=12)
 
 
 def _metadata(q_lens, seq_lens, rows, num_decodes):

@@ -158,7 +158,8 @@ class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
 class _Batch:
     """How the flat token batch splits into sequences, from the state backend's metadata.
 
-    Decodes come first: request ``i`` has ``1..W`` tokens (``W = 1 + num_speculative_tokens``);
+    Decodes come first: request ``i`` has ``1..W`` tokens (``W``: the step's longest decode, at most
+    ``1 + num_speculative_tokens``);
     its stored state is read from row ``decode_src[i]`` and the state after its ``j``-th token is
     written to row ``decode_dst[i, j]``. Everything about decodes is a device tensor (capture-safe);
     the host values ``starts``/``ends`` exist only for a step with prefills.
