@@ -4,10 +4,11 @@ Layout follows vLLM's own model files: the time-mix and channel-mix layers,
 the block (one vLLM state layer per block), the model, then the causal-LM
 head with ``load_weights``.
 
-State: each block owns three per-sequence tensors in vLLM's state cache
+State: each block owns four per-sequence tensors in vLLM's state cache
 (``MambaBase`` with ``mamba_type`` LINEAR): the time-mix shift vector ``[C]``,
-the WKV matrix ``[H, N, N]`` (float32) and the channel-mix shift vector
-``[C]``. Memory per sequence does not depend on the context length. A
+the WKV matrix ``[H, N, N]`` (float32), the channel-mix shift vector ``[C]``
+and the count of tokens the state has consumed (``[1]`` int64, for speculative
+decoding). Memory per sequence does not depend on the context length. A
 request's state is read as zero when it starts (no context yet), whatever its
 slot holds, so a reused slot never leaks another request's state, and a
 preempted request restarts from zero.
@@ -625,7 +626,7 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP, Su
     slot per ``block_size`` tokens of a request, prefill chunks end at block boundaries, the
     state after each whole block stays in that block's slot, and a request whose prompt
     shares whole blocks with an earlier one starts from the state copied out of the last
-    shared block (the three state tensors are copied whole).
+    shared block (the four state tensors are copied whole).
     """
 
     # the HF/fla layout: LoRA ``Sequential`` indices become ``down``/``up``
