@@ -34,11 +34,12 @@ class GlmDsaMetadata(AttentionMetadata):
     seq_lens: list[int]  # host, num_reqs
     block_table: torch.Tensor  # [num_reqs, max_blocks] (device)
     slot_mapping: torch.Tensor  # [num_actual_tokens] (device)
-    # decodes (one query token), batched: token index, context slots padded to the longest context
+    # decode tokens, batched: every query token of a request with at most ``decode_query_max`` of them (one,
+    # or 1 + the speculative tokens being verified or drafted), each with its own causal context
     decode_tokens: torch.Tensor  # [D] long
-    decode_slots: torch.Tensor  # [D, Lmax] long (slot 0 beyond a request's length; see decode_valid)
+    decode_slots: torch.Tensor  # [D, Lmax] long (slot 0 beyond a token's context; see decode_valid)
     decode_valid: torch.Tensor  # [D, Lmax] bool
-    # requests with several query tokens (prefill chunks): (request, first token, end token, context length)
+    # requests with more query tokens (prefill chunks): (request, first token, end token, context length)
     prefills: list[tuple[int, int, int, int]]
 
 
@@ -65,6 +66,10 @@ class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
     def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
         super().__init__(kv_cache_spec, layer_names, vllm_config, device)
         self.block_size = kv_cache_spec.block_size
+        # a speculative step verifies (and the MTP drafter's first pass reads) 1 + k tokens per request: they
+        # join the batched decode call instead of a per-request prefill call each
+        spec = vllm_config.speculative_config
+        self.decode_query_max = 1 + (spec.num_speculative_tokens if spec is not None else 0)
 
     def build(
         self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
@@ -74,12 +79,20 @@ class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         block_table = m.block_table_tensor[:n]
-        decodes = [r for r in range(n) if qsl[r + 1] - qsl[r] == 1]
-        prefills = [(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(n) if qsl[r + 1] - qsl[r] > 1]
+        rows, tokens, lengths, prefills = [], [], [], []
+        for r in range(n):
+            q = qsl[r + 1] - qsl[r]
+            if q > self.decode_query_max:
+                prefills.append((r, qsl[r], qsl[r + 1], seq_lens[r]))
+                continue
+            for j in range(q):  # token j of the request sees its context up to and including itself
+                rows.append(r)
+                tokens.append(qsl[r] + j)
+                lengths.append(seq_lens[r] - q + 1 + j)
         device = block_table.device
         slots, valid = context_slots(
-            block_table[torch.tensor(decodes, dtype=torch.long, device=device)],
-            torch.tensor([seq_lens[r] for r in decodes], dtype=torch.long, device=device),
+            block_table[torch.tensor(rows, dtype=torch.long, device=device)],
+            torch.tensor(lengths, dtype=torch.long, device=device),
             self.block_size,
         )
         return GlmDsaMetadata(
@@ -89,7 +102,7 @@ class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
             seq_lens=seq_lens,
             block_table=block_table,
             slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            decode_tokens=torch.tensor([qsl[r] for r in decodes], dtype=torch.long, device=device),
+            decode_tokens=torch.tensor(tokens, dtype=torch.long, device=device),
             decode_slots=slots,
             decode_valid=valid,
             prefills=prefills,
