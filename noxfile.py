@@ -53,13 +53,14 @@ TESTING = "testing"
 # One gate per capability, run on each older engine by CI (`nox -s capability_gates`); `nox -s compat`
 # runs every gate there and writes the records. Chosen so that a few engine starts cover every model
 # and every serving capability: compiled (RWKV-7: alone, batched, chunked prefill, TP=2), speculative
-# decoding (RWKV-7 n-gram drafts, the state rolled back), EP + W8A8 through
+# decoding (RWKV-7 n-gram drafts, the state rolled back; GLM-DSA's own MTP layer drafting), EP + W8A8 through
 # the adapter's own quant path (GLM-DSA), TP x PP on an MoE model (DeepSeek-V4), ModelSlim W8A8
 # through vLLM's own Llama (common's quant layer).
 CAPABILITY_GATES = (
     "models/rwkv7/tests/test_rwkv7_compiled.py::test_compiled_gate_evidence",
     "models/rwkv7/tests/test_rwkv7_speculative.py::test_speculative_gate_evidence",
     "models/glm_dsa/tests/test_glm_dsa_tp.py::test_ep2_w8a8_export",
+    "models/glm_dsa/tests/test_glm_dsa_mtp.py::test_mtp_served_parity",
     "models/deepseek_v4/tests/test_deepseek_v4_parallel.py::test_tp2_x_pp2_matches_transformers",
     "common/tests/test_quant_served.py::test_msmodelslim_export_served_parity[dynamic]",
 )

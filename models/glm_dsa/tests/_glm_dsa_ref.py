@@ -3,33 +3,30 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from ascend_adapters.glm_dsa.tiny import make_tiny
 
 
 def add_released_extras(ckpt: Path, seed: int = 7) -> list[str]:
-    """Add what released GLM-5.x exports carry beyond the transformers model: the top-level
-    MTP-only ``rot.weight`` and one MTP layer after the main stack (``num_nextn_predict_layers``)."""
+    """Add what released GLM-5.1 exports carry beyond the transformers model and its MTP layer (which
+    ``make_tiny`` writes): the top-level MTP-only ``rot.weight``, and the MTP layer's copies of the
+    embedding and LM head."""
     from safetensors.torch import load_file, save_file
 
     cfg = json.loads((ckpt / "config.json").read_text())
     n, h = cfg["num_hidden_layers"], cfg["hidden_size"]
-    g = torch.Generator().manual_seed(seed)
     path = ckpt / "model.safetensors"
     tensors = load_file(str(path))
     mtp = f"model.layers.{n}."
-    extras = {
-        "rot.weight": torch.randn(h, h, generator=g),
-        mtp + "enorm.weight": torch.ones(h),
-        mtp + "hnorm.weight": torch.ones(h),
-        mtp + "eh_proj.weight": torch.randn(h, 2 * h, generator=g),
-        mtp + "shared_head.norm.weight": torch.ones(h),
-        mtp + "self_attn.q_a_proj.weight": torch.randn(cfg["q_lora_rank"], h, generator=g),
-        mtp + "mlp.experts.0.gate_proj.weight": torch.randn(cfg["moe_intermediate_size"], h, generator=g),
-    }
+    extras = {"rot.weight": torch.randn(h, h, generator=torch.Generator().manual_seed(seed))}
+    if mtp + "enorm.weight" in tensors:
+        extras[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+        extras[mtp + "shared_head.head.weight"] = tensors["lm_head.weight"].clone()
     tensors.update(extras)
     save_file(tensors, str(path), metadata={"format": "pt"})
     return sorted(extras)
@@ -118,3 +115,43 @@ def _index_scores(mod, hidden_states, q_resid, position_embeddings, attention_ma
 def random_prompts(lengths, seed: int = 1, vocab: int = 512) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
+
+
+def step_metadata(query_lens: list[int], seq_lens: list[int]):
+    """The metadata GlmDsaMetadataBuilder makes for requests r (blocks 2r+1, 2r+2; block 0 is the null
+    block) with ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]``."""
+    from ascend_adapters.glm_dsa.backend import GlmDsaMetadata, context_slots
+
+    n = len(query_lens)
+    qsl = [0]
+    for q in query_lens:
+        qsl.append(qsl[-1] + q)
+    block_table = torch.tensor([[2 * r + 1, 2 * r + 2] for r in range(n)], dtype=torch.int32)
+    slots = torch.cat(
+        [
+            block_table[r, torch.arange(s - q, s) // 16].long() * 16 + torch.arange(s - q, s) % 16
+            for r, (q, s) in enumerate(zip(query_lens, seq_lens))
+        ]
+    )
+    decodes = [r for r in range(n) if query_lens[r] == 1]
+    d_slots, d_valid = context_slots(block_table[decodes], torch.tensor([seq_lens[r] for r in decodes]), 16)
+    return GlmDsaMetadata(
+        num_reqs=n,
+        num_actual_tokens=qsl[-1],
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slots,
+        decode_tokens=torch.tensor([qsl[r] for r in decodes], dtype=torch.long),
+        decode_slots=d_slots,
+        decode_valid=d_valid,
+        prefills=[(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(n) if query_lens[r] > 1],
+    )
+
+
+def two_rank_cpu_bind(what: str) -> dict:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a two-rank engine, one CPU per rank; skips ``what`` with fewer CPUs."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        pytest.skip(f"{what} needs two CPUs")
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}

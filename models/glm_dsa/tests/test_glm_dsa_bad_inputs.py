@@ -180,6 +180,85 @@ def test_loader_missing_tensor_is_an_error_naming_it(loader_case, name):
         model.load_weights([(n, t) for n, t in tensors.items() if n != name])
 
 
+@pytest.fixture(scope="module")
+def drafter_case(tmp_path_factory):
+    """The MTP drafter (``mtp.GlmMoeDsaMTP``) built for the tiny checkpoint with GLM-5.1's copies of the
+    embedding and head in its MTP layer, and the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ascend_adapters.glm_dsa.mtp import GlmMoeDsaMTP
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+    ckpt = build(tmp_path_factory.mktemp("glm_dsa_drafter"), "tiny", index_topk=8)
+    vllm_config = EngineArgs(model=str(ckpt), **{**DEFAULT_LLM_KWARGS, "max_model_len": 64}).create_engine_config()
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        ensure_single_rank_parallel_state()
+        drafter = GlmMoeDsaMTP(vllm_config=vllm_config)
+    return drafter, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
+
+
+def test_drafter_loads_its_layer_and_skips_the_rest(drafter_case):
+    drafter, tensors = drafter_case
+    loaded = drafter.load_weights(tensors.items())
+    assert loaded == set(dict(drafter.named_parameters()))
+    assert all(n.startswith("model.layers.3.") for n in loaded)
+    copies = {"model.layers.3.embed_tokens.weight", "model.layers.3.shared_head.head.weight"}
+    mtp = {n for n in tensors if n.startswith("model.layers.3.")} - copies
+    assert mtp and not mtp & set(drafter.skipped_weights) and copies <= set(drafter.skipped_weights)
+    assert "shares the target's" in drafter.skipped_weights["model.layers.3.shared_head.head.weight"]
+    assert "owns only its MTP layers" in drafter.skipped_weights["model.layers.0.self_attn.q_a_proj.weight"]
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["model.layers.3.eh_proj.weight", "model.layers.3.hnorm.weight", "model.layers.3.self_attn.kv_b_proj.weight"],
+)
+def test_drafter_missing_mtp_tensor_is_an_error_naming_it(drafter_case, name):
+    """An export whose MTP layer lost a tensor (the most reported MTP failure) does not serve a half-loaded drafter."""
+    drafter, tensors = drafter_case
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA MTP checkpoint lacks 1 .*\['{re.escape(name)}'\]"):
+        drafter.load_weights([(n, t) for n, t in tensors.items() if n != name])
+
+
+def test_drafter_loads_from_a_w8a8_export_whose_description_omits_the_mtp_layer(tmp_path):
+    """Released W8A8 exports mark the MTP layer FLOAT or leave it out of the description: both load float."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ascend_adapters.glm_dsa.mtp import GlmMoeDsaMTP
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+    src = build(tmp_path, "src", index_topk=8)
+    export = make_export(src, tmp_path / "w8a8", n_layers=3)
+    path = export / "quant_model_description.json"
+    desc = json.loads(path.read_text())
+    assert {v for k, v in desc.items() if k.startswith("model.layers.3.")} == {"FLOAT"}
+    path.write_text(json.dumps({k: v for k, v in desc.items() if not k.startswith("model.layers.3.")}))
+    kwargs = {**DEFAULT_LLM_KWARGS, "max_model_len": 64, "quantization": "modelslim"}
+    vllm_config = EngineArgs(model=str(export), **kwargs).create_engine_config()
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        ensure_single_rank_parallel_state()
+        drafter = GlmMoeDsaMTP(vllm_config=vllm_config)
+    tensors = {}
+    for f in sorted(export.glob("*.safetensors")):
+        tensors.update(load_file(str(f)))
+    assert drafter.load_weights(tensors.items()) == set(dict(drafter.named_parameters()))
+    eh_proj = drafter.model.layers["3"].eh_proj
+    assert type(eh_proj.quant_method).__name__ == "ModelSlimFloatLinearMethod"
+
+
+def test_drafter_unknown_mtp_tensor_is_an_error_naming_it(drafter_case):
+    drafter, tensors = drafter_case
+    name = "model.layers.3.bogus_proj.weight"
+    with pytest.raises(remap.GlmDsaWeightsError, match=rf"^GLM-DSA MTP checkpoint tensor {re.escape(name)}\b"):
+        drafter.load_weights([*tensors.items(), (name, torch.zeros(4, 4))])
+
+
 # -- real vLLM start-up --------------------------------------------------------------------------------------
 
 
@@ -290,17 +369,55 @@ def test_registration_switch(monkeypatch):
         serves()
 
 
-def test_speculative_decoding_is_refused_in_one_line():
-    """vLLM would otherwise build its own DeepSeek-V3.2 MTP drafter around the checkpoint and crash later."""
+def test_speculative_methods_other_than_mtp_are_refused_in_one_line():
     from types import SimpleNamespace
 
     from ascend_adapters.glm_dsa.policy import check_startup
 
-    spec = SimpleNamespace(method="mtp", num_speculative_tokens=1)
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
     with pytest.raises(
-        GlmDsaConfigError, match=r"speculative decoding method 'mtp' is not served .*--speculative-config"
+        GlmDsaConfigError,
+        match=r"speculative decoding method 'ngram' is not served .*served: mtp.*--speculative-config",
     ):
         check_startup(SimpleNamespace(speculative_config=spec, model_config=None))
+
+
+def _mtp_config(architectures, num_nextn_predict_layers=1, pp=1):
+    from types import SimpleNamespace
+
+    hf = SimpleNamespace(architectures=list(architectures), num_nextn_predict_layers=num_nextn_predict_layers)
+    draft = SimpleNamespace(hf_config=hf, hf_text_config=hf)
+    spec = SimpleNamespace(method="mtp", draft_model_config=draft, arch_updates=[])
+    spec.update_arch_ = lambda: spec.arch_updates.append(list(hf.architectures))
+    return SimpleNamespace(speculative_config=spec, parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+
+
+@pytest.mark.parametrize("engine_name", ["DeepSeekMTPModel", "DeepseekV32MTPModel"])
+def test_mtp_draft_is_routed_to_the_adapters_drafter(engine_name):
+    """Each engine names the draft of a glm_moe_dsa target after its own DeepSeek MTP class (0.27.1/0.28.0:
+    DeepSeekMTPModel, 0.32: DeepseekV32MTPModel); the policy points it at the adapter's, and tells vLLM."""
+    from ascend_adapters.glm_dsa import DRAFT_ARCHITECTURES
+    from ascend_adapters.glm_dsa.policy import route_mtp_draft
+
+    cfg = _mtp_config([engine_name])
+    route_mtp_draft(cfg)
+    assert cfg.speculative_config.arch_updates == [list(DRAFT_ARCHITECTURES)]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"architectures": ["SomeOtherMTPModel"]}, r"names the MTP draft \['SomeOtherMTPModel'\]"),
+        ({"architectures": ["DeepseekV32MTPModel"], "num_nextn_predict_layers": 0}, "num_nextn_predict_layers is 0"),
+        ({"architectures": ["DeepseekV32MTPModel"], "pp": 2}, "pipeline_parallel_size=2 is not served"),
+    ],
+    ids=["unknown-engine-draft", "no-mtp-layer", "pipeline-parallel"],
+)
+def test_mtp_refusals_name_the_reason(kwargs, message):
+    from ascend_adapters.glm_dsa.policy import route_mtp_draft
+
+    with pytest.raises(GlmDsaConfigError, match=message):
+        route_mtp_draft(_mtp_config(**kwargs))
 
 
 def test_startup_policy_wraps_vllms_hook(monkeypatch):

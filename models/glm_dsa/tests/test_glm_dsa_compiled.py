@@ -17,12 +17,11 @@ what this test proves.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
 import torch
-from _glm_dsa_ref import Reference, build, random_prompts
+from _glm_dsa_ref import Reference, build, random_prompts, step_metadata, two_rank_cpu_bind
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import PROBE, HostReads, compiled
@@ -90,13 +89,10 @@ def test_compiled_sparse_parity(sparse_ckpt, evidence_root):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_compiled_tp2_parity(sparse_ckpt, evidence_root):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("tensor parallelism 2 needs two CPUs")
+    env = two_rank_cpu_bind("tensor parallelism 2")
     rec = EvidenceRecord(model="glm_dsa", gate="compiled_parity_tp2")
     prompts = random_prompts([5, 30, 47], seed=12)
     kwargs = {**KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
     reports, counters, same = _serve_and_compare(sparse_ckpt, prompts, kwargs, env)
     rec.command(f"vllm.LLM(<tiny, index_topk 8>, dtype=float32, {kwargs}) raw logits, batched then alone")
     ok = _record(rec, reports, counters, same)
@@ -130,43 +126,11 @@ def inprocess_model(sparse_ckpt):
     return cfg, model, layers
 
 
-def _metadata(query_lens: list[int], seq_lens: list[int]):
-    """The metadata GlmDsaMetadataBuilder makes for requests r (blocks 2r+1, 2r+2; block 0 is the null
-    block) with ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]``."""
-    from ascend_adapters.glm_dsa.backend import GlmDsaMetadata, context_slots
-
-    n = len(query_lens)
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    block_table = torch.tensor([[2 * r + 1, 2 * r + 2] for r in range(n)], dtype=torch.int32)
-    slots = torch.cat(
-        [
-            block_table[r, torch.arange(s - q, s) // 16].long() * 16 + torch.arange(s - q, s) % 16
-            for r, (q, s) in enumerate(zip(query_lens, seq_lens))
-        ]
-    )
-    decodes = [r for r in range(n) if query_lens[r] == 1]
-    d_slots, d_valid = context_slots(block_table[decodes], torch.tensor([seq_lens[r] for r in decodes]), 16)
-    return GlmDsaMetadata(
-        num_reqs=n,
-        num_actual_tokens=qsl[-1],
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        block_table=block_table,
-        slot_mapping=slots,
-        decode_tokens=torch.tensor([qsl[r] for r in decodes], dtype=torch.long),
-        decode_slots=d_slots,
-        decode_valid=d_valid,
-        prefills=[(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(n) if query_lens[r] > 1],
-    )
-
-
 def _forward_under_detector(inprocess_model, query_lens, seq_lens):
     from vllm.forward_context import set_forward_context
 
     cfg, model, layers = inprocess_model
-    md = _metadata(query_lens, seq_lens)
+    md = step_metadata(query_lens, seq_lens)
     tokens = torch.randint(1, 500, (md.num_actual_tokens,))
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
     mode = HostReads()

@@ -12,10 +12,8 @@ chunked prefill (32 tokens per step), in one engine start.
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from _glm_dsa_ref import Reference, build, random_prompts
+from _glm_dsa_ref import Reference, build, random_prompts, two_rank_cpu_bind
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.glm_dsa.tiny import TINY_CONFIG
@@ -28,17 +26,9 @@ TOL = 1e-3
 PARTITION = "2,1"
 
 
-def _cpus() -> list[int]:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        pytest.skip("pipeline parallelism 2 needs two CPUs")
-    return cpus
-
-
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_pp2_matches_transformers_alone_batched_chunked(tmp_path, evidence_root):
-    cpus = _cpus()
     assert TINY_CONFIG["indexer_types"] == ["full", "full", "shared"]  # the split below crosses IndexShare
     rec = EvidenceRecord(model="glm_dsa", gate="parity_pp2")
     ckpt = build(tmp_path, "tiny-sparse", index_topk=8)
@@ -52,7 +42,7 @@ def test_pp2_matches_transformers_alone_batched_chunked(tmp_path, evidence_root)
         "pipeline_parallel_size": 2,
         "distributed_executor_backend": "mp",
     }
-    env = {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}", "VLLM_PP_LAYER_PARTITION": PARTITION}
+    env = {**two_rank_cpu_bind("pipeline parallelism 2"), "VLLM_PP_LAYER_PARTITION": PARTITION}
     served = vllm_logits(ckpt, runs, max_tokens=8, llm_kwargs=kwargs, env=env)
     rec.command(
         f"vllm.LLM(<tiny, index_topk 8>, dtype=float32, enforce_eager, {kwargs}), "

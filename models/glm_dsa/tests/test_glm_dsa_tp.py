@@ -12,10 +12,8 @@ experts run common's MoE kernel; the float path under EP is not tested (docs/mod
 
 from __future__ import annotations
 
-import os
-
 import pytest
-from _glm_dsa_ref import Reference, build, random_prompts
+from _glm_dsa_ref import Reference, build, random_prompts, two_rank_cpu_bind
 from _glm_dsa_w8a8 import make_export, quantized_reference
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -28,28 +26,20 @@ TOL = 1e-3
 TOL_W8A8 = 0.1
 
 
-def _cpus() -> list[int]:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        pytest.skip("tensor parallelism 2 needs two CPUs")
-    return cpus
-
-
-def _tp2(cpus, **extra):
+def _tp2(**extra):
     kwargs = {"tensor_parallel_size": 2, "distributed_executor_backend": "mp", **extra}
-    return kwargs, {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    return kwargs, two_rank_cpu_bind("tensor parallelism 2")
 
 
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_tp2_matches_tp1_and_transformers(tmp_path, evidence_root):
-    cpus = _cpus()
     rec = EvidenceRecord(model="glm_dsa", gate="parity_tp2")
     ckpt = build(tmp_path, "tiny-sparse", index_topk=8)
     prompts = random_prompts([5, 30, 47], seed=12)
     base = {"max_model_len": 128, "max_num_batched_tokens": 32, "max_num_seqs": 4, "block_size": 16}
     (tp1,) = vllm_logits(ckpt, [prompts], max_tokens=8, llm_kwargs=base)
-    tp2_kwargs, env = _tp2(cpus)
+    tp2_kwargs, env = _tp2()
     (tp2,) = vllm_logits(ckpt, [prompts], max_tokens=8, llm_kwargs={**base, **tp2_kwargs}, env=env)
     rec.command(f"vllm.LLM(<tiny, index_topk 8>, dtype=float32, enforce_eager, {base}) raw logits, TP=1")
     rec.command(f"same with {tp2_kwargs}, VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}")
@@ -74,13 +64,12 @@ def test_tp2_matches_tp1_and_transformers(tmp_path, evidence_root):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_ep2_w8a8_export(tmp_path, evidence_root):
-    cpus = _cpus()
     rec = EvidenceRecord(model="glm_dsa", gate="parity_ep2_w8a8")
     src = build(tmp_path, "src", index_topk=8)
     export = make_export(src, tmp_path / "w8a8", n_layers=3)
     prompts = random_prompts([5, 30], seed=5)
     base = {"max_model_len": 96, "block_size": 16, "max_num_batched_tokens": 16, "quantization": "modelslim"}
-    kwargs, env = _tp2(cpus, enable_expert_parallel=True)
+    kwargs, env = _tp2(enable_expert_parallel=True)
     (runs,) = vllm_logits(export, [prompts], max_tokens=8, llm_kwargs={**base, **kwargs}, env=env)
     rec.command(
         f"vllm.LLM(<W8A8 export>, {base}, {kwargs}), VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}"

@@ -14,7 +14,7 @@ plugin order. ``ASCEND_ADAPTERS_GLM_DSA``: ``auto`` (default), ``adapter`` (or
 from __future__ import annotations
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
-SPECULATIVE_METHODS: tuple[str, ...] = ()
+SPECULATIVE_METHODS: tuple[str, ...] = ("mtp",)
 # the attention op (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
 SPLITTING_OPS: tuple[str, ...] = ("vllm::glm_dsa_attention",)
 
@@ -22,6 +22,10 @@ SPLITTING_OPS: tuple[str, ...] = ("vllm::glm_dsa_attention",)
 ARCHITECTURES: dict[str, str] = {
     "GlmMoeDsaForCausalLM": "ascend_adapters.glm_dsa.model:GlmMoeDsaForCausalLM",
 }
+
+# the MTP drafter (mtp.py): the start-up policy points the draft model config of a GlmMoeDsaForCausalLM
+# target at it; registered beside the target, under a name of its own so vLLM's DeepSeek MTP stays as is
+DRAFT_ARCHITECTURES: dict[str, str] = {"GlmMoeDsaMTP": "ascend_adapters.glm_dsa.mtp:GlmMoeDsaMTP"}
 
 ENABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA"
 
@@ -32,11 +36,12 @@ def _cuda_alike(platform) -> bool:
 
 
 def register() -> None:
-    from ascend_adapters.common.registry import ADAPTER, register_native_first
+    from ascend_adapters.common.registry import ADAPTER, register_architectures, register_native_first
 
     decisions = register_native_first(ARCHITECTURES, ENABLE_ENV, in_tree_native=_cuda_alike)
     if decisions[0].serves != ADAPTER:
         return
+    register_architectures(DRAFT_ARCHITECTURES)
     from ascend_adapters.glm_dsa import arch, policy
 
     arch.install()

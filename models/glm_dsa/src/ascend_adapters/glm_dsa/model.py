@@ -261,7 +261,8 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         self.w_uk_t = torch.zeros(self.num_heads, self.kv_lora_rank, self.nope)
         self.w_uv = torch.zeros(self.num_heads, self.v_dim, self.kv_lora_rank)
 
-        self.shared_topk = _indexer_types(config)[layer_idx] == "shared"
+        types = _indexer_types(config)  # an MTP layer, after the main stack, is a 'full' one
+        self.shared_topk = layer_idx < len(types) and types[layer_idx] == "shared"
         self.index_topk = int(config.index_topk)
         self.indexer = None
         if mode is AttentionMode.SPARSE and not self.shared_topk:
@@ -346,16 +347,15 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
 
     def attend(self, q_lat, q_pe, rows, q_idx, w_idx, selection, out) -> None:
         """The body of ``vllm::glm_dsa_attention``: cache the step's latent rows, then attend every
-        decode in one call and each prefill chunk over its request's rows, writing ``out`` (and, in a
-        layer with an indexer, its top-k into ``selection``)."""
+        decode token (one per request, or the 1 + k of a speculative step) in one call and each prefill
+        chunk over its request's rows, writing ``out`` (and, in a layer with an indexer, its top-k into
+        ``selection``; ``forward`` passes none on the dense path)."""
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.layer_name)
         if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run: nothing cached yet
             return
         dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
-        if self.mode is AttentionMode.DENSE:
-            selection = None
         if md.decode_tokens.numel():
             self._decodes(md, q_lat, q_pe, q_idx, w_idx, out, selection)
         for r, qs, qe, length in md.prefills:
@@ -478,6 +478,30 @@ def make_moe(vllm_config: VllmConfig, config, prefix: str) -> DeepseekV2MoE:
     return moe
 
 
+def expert_params_mapping(module: nn.Module, config) -> list[tuple[str, str, int, str]]:
+    """(param name, checkpoint name, expert id, shard id) of every routed expert below ``module``."""
+    return fused_moe_make_expert_params_mapping(
+        module,
+        ckpt_gate_proj_name="gate_proj",
+        ckpt_down_proj_name="down_proj",
+        ckpt_up_proj_name="up_proj",
+        num_experts=config.n_routed_experts,
+    )
+
+
+def load_layer_tensors(module: nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Checkpoint tensors (names below ``model.``) into a stack of decoder layers (``module`` has ``config``
+    and ``expert_params_mapping``), as vLLM's deepseek_v2 does: ``gate_proj``/``up_proj`` into the stacked
+    ``gate_up_proj``, per-expert tensors into FusedMoE."""
+    return load_module_tensors(
+        module,
+        weights,
+        stacked_params=STACKED_PARAMS,
+        expert_mapping=module.expert_params_mapping,
+        num_experts=module.config.n_routed_experts,
+    )
+
+
 class GlmDsaDecoderLayer(nn.Module):
     """One decoder layer: vLLM's ``DeepseekV2MLP`` / ``DeepseekV2MoE`` behind this adapter's attention.
 
@@ -492,7 +516,10 @@ class GlmDsaDecoderLayer(nn.Module):
         quant_config = vllm_config.quant_config
         self.self_attn = GlmDsaAttention(vllm_config, config, layer_idx, mode, prefix=f"{prefix}.self_attn")
         types = getattr(config, "mlp_layer_types", None)
-        sparse_mlp = types[layer_idx] == "sparse" if types else layer_idx >= config.first_k_dense_replace
+        if types and layer_idx < len(types):
+            sparse_mlp = types[layer_idx] == "sparse"
+        else:  # no mlp_layer_types, or an MTP layer after the main stack
+            sparse_mlp = layer_idx >= config.first_k_dense_replace
         if sparse_mlp:
             self.mlp = make_moe(vllm_config, config, prefix=f"{prefix}.mlp")
         else:
@@ -570,14 +597,7 @@ class GlmDsaModel(nn.Module):
         self.sends_selection = (
             sparse and self.end_layer < config.num_hidden_layers and types[self.end_layer] == "shared"
         )
-        # (param name, checkpoint name, expert id, shard id) of every routed expert
-        self.expert_params_mapping = fused_moe_make_expert_params_mapping(
-            self,
-            ckpt_gate_proj_name="gate_proj",
-            ckpt_down_proj_name="down_proj",
-            ckpt_up_proj_name="up_proj",
-            num_experts=config.n_routed_experts,
-        )
+        self.expert_params_mapping = expert_params_mapping(self, config)
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids)
@@ -626,15 +646,7 @@ class GlmDsaModel(nn.Module):
         return hidden_states
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Checkpoint tensors (names below ``model.``) into the parameters, as vLLM's deepseek_v2 does:
-        ``gate_proj``/``up_proj`` into the stacked ``gate_up_proj``, per-expert tensors into FusedMoE."""
-        return load_module_tensors(
-            self,
-            weights,
-            stacked_params=STACKED_PARAMS,
-            expert_mapping=self.expert_params_mapping,
-            num_experts=self.config.n_routed_experts,
-        )
+        return load_layer_tensors(self, weights)
 
 
 class GlmMoeDsaForCausalLM(nn.Module, SupportsPP):

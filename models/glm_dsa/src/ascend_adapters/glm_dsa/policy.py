@@ -2,17 +2,55 @@
 
 Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
 config hook for ``GlmMoeDsaForCausalLM``, over vLLM's own class for it: vLLM's
-checks run first, then ``check_startup``: no speculative decoding (vLLM would
-build its own DeepSeek-V3.2 MTP drafter around this checkpoint, which cannot run
-beside the adapter's attention), the checkpoint's ``index_topk`` is present in
-config.json, and an attention path exists for ``max_model_len`` (fails closed
-when the sparse path is disabled). It also makes the attention op a splitting op
-of vLLM's piecewise compilation.
+checks run first, then ``check_startup``: speculative decoding only with the
+checkpoint's MTP layer (``mtp``, see ``route_mtp_draft``), the checkpoint's
+``index_topk`` is present in config.json, and an attention path exists for
+``max_model_len`` (fails closed when the sparse path is disabled). It also makes
+the attention op a splitting op of vLLM's piecewise compilation.
 """
 
 from __future__ import annotations
 
 ARCH = "GlmMoeDsaForCausalLM"
+
+# what each engine's SpeculativeConfig.hf_config_override names the draft of a glm_moe_dsa target:
+# vLLM 0.27.1 and 0.28.0 its DeepSeek-V3 MTP, 0.32 its DeepSeek-V3.2 one
+ENGINE_DRAFT_ARCHITECTURES = ("DeepSeekMTPModel", "DeepseekV32MTPModel")
+
+
+def route_mtp_draft(vllm_config) -> None:
+    """Point the MTP draft model at this adapter's drafter (``mtp.GlmMoeDsaMTP``) instead of the DeepSeek
+    MTP class vLLM names, which builds vLLM's own MLA attention around the checkpoint (start-up then
+    fails: ``topk_indices_buffer is not supported for DeepseekV2Attention``). Refuses a checkpoint
+    without MTP layer and pipeline parallelism (vLLM's proposer shares the target's embedding and head
+    only on one stage)."""
+    from ascend_adapters.glm_dsa import DRAFT_ARCHITECTURES
+    from ascend_adapters.glm_dsa.config import GlmDsaConfigError
+
+    spec = vllm_config.speculative_config
+    draft = spec.draft_model_config
+    ours = next(iter(DRAFT_ARCHITECTURES))
+    named = list(draft.hf_config.architectures or [])
+    if named != [ours] and not set(named) & set(ENGINE_DRAFT_ARCHITECTURES):
+        raise GlmDsaConfigError(
+            f"{ARCH} (ascend-adapters): this vLLM names the MTP draft {named}, not one of "
+            f"{list(ENGINE_DRAFT_ARCHITECTURES)}; the adapter's drafter is untested with it. Serve without "
+            "--speculative-config"
+        )
+    if not int(getattr(draft.hf_text_config, "num_nextn_predict_layers", 0) or 0):
+        raise GlmDsaConfigError(
+            f"{ARCH} (ascend-adapters): speculative method 'mtp' needs the checkpoint's MTP layer, and "
+            "config.json num_nextn_predict_layers is 0 or missing. Serve without --speculative-config"
+        )
+    if vllm_config.parallel_config.pipeline_parallel_size > 1:
+        raise GlmDsaConfigError(
+            f"{ARCH} (ascend-adapters): speculative method 'mtp' with pipeline_parallel_size="
+            f"{vllm_config.parallel_config.pipeline_parallel_size} is not served (vLLM shares the target's "
+            "embedding and LM head with the drafter only without pipeline parallelism). Use "
+            "--pipeline-parallel-size 1 or serve without --speculative-config"
+        )
+    draft.hf_config.architectures = [ours]
+    spec.update_arch_()
 
 
 def check_startup(vllm_config) -> None:
@@ -28,6 +66,8 @@ def check_startup(vllm_config) -> None:
     refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
     if refusal:
         raise GlmDsaConfigError(f"{ARCH} (ascend-adapters): {refusal}")
+    if vllm_config.speculative_config is not None:
+        route_mtp_draft(vllm_config)
     mc = vllm_config.model_config
     check_raw_config(raw_config_dict(mc.model, getattr(mc, "revision", None)))
     choose_attention_mode(mc.hf_text_config, mc.max_model_len)

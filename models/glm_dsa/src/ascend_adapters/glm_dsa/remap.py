@@ -31,6 +31,11 @@ FIXED_SKIPS = {
 }
 
 
+# the dense attention path has no indexer
+DENSE_PATH_SKIPS = {
+    r"^model\.layers\.\d+\.self_attn\.indexer\.": "DSA indexer unused on the dense path (every context <= index_topk)"
+}
+
 hf_to_vllm_mapper = skip_mapper(FIXED_SKIPS)
 
 
@@ -43,12 +48,25 @@ def skip_rules(
         ids = "|".join(str(num_hidden_layers + i) for i in range(num_mtp_layers))
         rules[rf"^model\.layers\.({ids})\."] = "MTP layer (num_nextn_predict_layers); not served"
     if dense:
-        rules[r"^model\.layers\.\d+\.self_attn\.indexer\."] = (
-            "DSA indexer unused on the dense path (every context <= index_topk)"
-        )
+        rules.update(DENSE_PATH_SKIPS)
     elif unused_indexer_layers:
         ids = "|".join(str(i) for i in unused_indexer_layers)
         rules[rf"^model\.layers\.({ids})\.self_attn\.indexer\."] = (
             "indexer of a 'shared' layer (reuses the previous layer's top-k)"
         )
+    return rules
+
+
+def mtp_skip_rules(num_hidden_layers: int, num_mtp_layers: int, dense: bool) -> dict[str, str]:
+    """Every drop for the MTP drafter (``mtp.py``), which owns only the MTP layers: the main model's
+    tensors, and the layers' copies of the embedding and LM head (vLLM's proposer installs the target's)."""
+    ids = "|".join(str(num_hidden_layers + i) for i in range(num_mtp_layers))
+    rules = {
+        rf"^(?!model\.layers\.({ids})\.)": "the target model's tensor; the MTP drafter owns only its MTP layers",
+        rf"^model\.layers\.({ids})\.(embed_tokens|shared_head\.head)\.": (
+            "the MTP layer's copy of the embedding or LM head; vLLM's proposer shares the target's"
+        ),
+    }
+    if dense:
+        rules.update(DENSE_PATH_SKIPS)
     return rules
