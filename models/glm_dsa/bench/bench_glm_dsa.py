@@ -3,6 +3,7 @@
     python bench/bench_glm_dsa.py --evidence-dir DIR            # full run
     python bench/bench_glm_dsa.py --quick --evidence-dir DIR    # smoke (smaller contexts, fewer tokens)
     python bench/bench_glm_dsa.py --skip-served --out r.json    # the attention layer only
+    python bench/bench_glm_dsa.py --only-mtp --quick --evidence-dir DIR   # MTP speculative decoding
 
 1. One GLM-5-sized attention layer (kv_lora_rank 512, 64 heads, qk_nope 192 + rope 64, v 256; indexer
    32 heads x 128, index_topk 2048; random weights, float32) decoding one token at 512, 2k and 8k tokens
@@ -11,11 +12,16 @@
    (``kernels.mla_reference``: every cached row through ``kv_b_proj``, then attention; its sparse form
    masked the same full computation, so one number stands for both).
 2. Served decode throughput of the tiny checkpoint through vLLM (greedy, batch 1 and 8, dense and sparse
-   path) with this tree's adapter against the adapter as it was at ``--baseline-rev`` (default: the
+   path; decode timed by difference: the same prompts for ``gen`` tokens minus for one token, so prefill
+   and per-request overhead are left out) with this tree's adapter against the adapter as it was at ``--baseline-rev`` (default: the
    commit this branch started from), each engine in its own subprocess; the baseline's
    ``ascend_adapters.glm_dsa`` is extracted with ``git archive`` and put first on the engine's path.
 3. Graph mode: the sparse jobs again on an engine that compiles (vLLM's default) against the eager
-   engine of part 2, tokens/s at batch 1 and 8 and start-up time; target: compiled not slower.
+   engine of part 2, decode tokens/s at batch 1 and 8 and start-up time; target: compiled not slower.
+4. Record ``bench_mtp`` (alone with ``--only-mtp``, left out with ``--skip-mtp``): the MTP-fitted checkpoint (``tiny.make_mtp_fitted``) served
+   compiled with 3 MTP drafts and without, decode tokens/s at batch 1 and 8 timed by difference, and the
+   acceptance rate per draft position from vLLM's counters (``test_glm_dsa_mtp`` holds served acceptance
+   to this record); targets in ``MTP_TARGETS``.
 
 Numbers are wall-clock on a shared CPU machine: read the ratios, not the absolute values; the record
 carries the load average before and after.
@@ -130,36 +136,64 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, 500, (length,), generator=g).tolist() for _ in range(n)]
 
 
+def _minus(after, before):
+    if isinstance(after, list):
+        return [a - b for a, b in zip(after, before or [0] * len(after))]
+    return after - (before or 0)
+
+
 def worker(spec_path: str) -> int:
-    """Inside a subprocess: one engine, a list of timed jobs."""
+    """Inside a subprocess: one engine, a list of timed jobs (with vLLM's speculative-decoding counters over
+    the last timed repeat when the engine speculates)."""
     from vllm import LLM, SamplingParams
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from _glm_dsa_engine_worker import _counters
 
     import ascend_adapters.glm_dsa.model as glm_model
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.perf_counter()
+    speculative = "speculative_config" in spec["llm_kwargs"]
     llm = LLM(
         model=spec["model"],
         skip_tokenizer_init=True,
         dtype="float32",
         kv_cache_memory_bytes=256 << 20,
         max_num_seqs=8,
+        disable_log_stats=not speculative,
         **{"enforce_eager": True, **spec["llm_kwargs"]},
     )
     startup_s = time.perf_counter() - started
     results = []
-    for job in spec["jobs"]:
-        params = SamplingParams(temperature=0.0, max_tokens=job["gen"], ignore_eos=True, detokenize=False)
-        prompts = [{"prompt_token_ids": p} for p in _prompts(job["batch"], job["prompt_len"], job["seed"])]
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
-        best, ids = float("inf"), None
-        for _ in range(job.get("repeat", 2)):
+
+    def best_of(prompts, max_tokens: int, repeat: int):
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        best, ids, counters = float("inf"), None, {}
+        for _ in range(repeat):
+            before = _counters(llm) if speculative else {}
             t0 = time.perf_counter()
             out = llm.generate(prompts, params, use_tqdm=False)
             best = min(best, time.perf_counter() - t0)
             ids = [list(o.outputs[0].token_ids) for o in out]
+            if speculative:
+                after = _counters(llm)
+                counters = {k: _minus(v, before.get(k)) for k, v in after.items()}
+        return best, ids, counters
+
+    for job in spec["jobs"]:
+        prompts = [{"prompt_token_ids": p} for p in _prompts(job["batch"], job["prompt_len"], job["seed"])]
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, ignore_eos=True, detokenize=False), use_tqdm=False)
+        best, ids, counters = best_of(prompts, job["gen"], job.get("repeat", 2))
         ntok = sum(len(t) for t in ids)
-        results.append({**job, "seconds": best, "generated_tokens": ntok, "tokens_per_s": ntok / best, "ids": ids})
+        result = {**job, "seconds": best, "generated_tokens": ntok, "tokens_per_s": ntok / best, "ids": ids}
+        if job.get("decode_by_difference"):
+            # the same prompts for one token: the prefill and per-request overhead, taken off the time
+            first, _, _ = best_of(prompts, 1, job.get("repeat", 2))
+            result["decode_tokens_per_s"] = (ntok - len(ids)) / (best - first)
+        if speculative:
+            result["spec_decode_counters"] = counters
+        results.append(result)
     Path(spec["out"]).write_text(
         json.dumps({"adapter": glm_model.__file__, "startup_s": startup_s, "results": results})
     )
@@ -206,7 +240,10 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
         "sparse": make_tiny(tmp / "sparse", index_topk=32, tokenizer=False),  # contexts 96..128 > 32
         "dense": make_tiny(tmp / "dense", index_topk=mml, tokenizer=False),  # max_model_len <= index_topk
     }
-    jobs = [{"name": f"b{b}", "batch": b, "prompt_len": prompt_len, "gen": gen, "seed": 3} for b in (1, 8)]
+    jobs = [
+        {"name": f"b{b}", "batch": b, "prompt_len": prompt_len, "gen": gen, "seed": 3, "decode_by_difference": True}
+        for b in (1, 8)
+    ]
     out = {}
     for mode, ckpt in ckpts.items():
         if quick and mode == "dense":
@@ -216,16 +253,16 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
         for jn, jo in zip(new["results"], old["results"]):
             b = jn["batch"]
             out[f"{mode}_batch{b}"] = {
-                "new_tok_s": jn["tokens_per_s"],
-                "baseline_tok_s": jo["tokens_per_s"],
-                "ratio_new_over_baseline": jn["tokens_per_s"] / jo["tokens_per_s"],
+                "new_decode_tok_s": jn["decode_tokens_per_s"],
+                "baseline_decode_tok_s": jo["decode_tokens_per_s"],
+                "ratio_new_over_baseline": jn["decode_tokens_per_s"] / jo["decode_tokens_per_s"],
                 "same_tokens": jn["ids"] == jo["ids"],
                 "prompt_len": prompt_len,
                 "gen": gen,
             }
             print(
-                f"  served {mode:6s} batch {b}: new {jn['tokens_per_s']:8.1f} tok/s  baseline "
-                f"{jo['tokens_per_s']:8.1f} tok/s  ratio {jn['tokens_per_s'] / jo['tokens_per_s']:5.2f}x  "
+                f"  served {mode:6s} batch {b}: decode new {jn['decode_tokens_per_s']:8.1f} tok/s  baseline "
+                f"{jo['decode_tokens_per_s']:8.1f} tok/s  ratio {jn['decode_tokens_per_s'] / jo['decode_tokens_per_s']:5.2f}x  "
                 f"same tokens: {jn['ids'] == jo['ids']}"
             )
         out[f"{mode}_adapters"] = {"new": new["adapter"], "baseline": old["adapter"]}
@@ -243,18 +280,68 @@ def compiled_vs_eager(ckpt: Path, mml: int, jobs: list[dict], eager: dict) -> di
     comp = run_engine(ckpt, {"max_model_len": mml, "enforce_eager": False}, jobs, None)
     out = {"startup_s": {"compiled": comp["startup_s"], "eager": eager["startup_s"]}}
     for jc, je in zip(comp["results"], eager["results"]):
-        ratio = jc["tokens_per_s"] / je["tokens_per_s"]
+        ratio = jc["decode_tokens_per_s"] / je["decode_tokens_per_s"]
         out[f"batch{jc['batch']}"] = {
-            "compiled_tok_s": jc["tokens_per_s"],
-            "eager_tok_s": je["tokens_per_s"],
+            "compiled_decode_tok_s": jc["decode_tokens_per_s"],
+            "eager_decode_tok_s": je["decode_tokens_per_s"],
             "ratio_compiled_over_eager": ratio,
             "same_tokens": jc["ids"] == je["ids"],
         }
         print(
-            f"  served sparse batch {jc['batch']}: compiled {jc['tokens_per_s']:8.1f} tok/s  eager "
-            f"{je['tokens_per_s']:8.1f} tok/s  ratio {ratio:5.2f}x  same tokens: {jc['ids'] == je['ids']}"
+            f"  served sparse batch {jc['batch']}: decode compiled {jc['decode_tokens_per_s']:8.1f} tok/s  eager "
+            f"{je['decode_tokens_per_s']:8.1f} tok/s  ratio {ratio:5.2f}x  same tokens: {jc['ids'] == je['ids']}"
         )
     print(f"  start-up: compiled {comp['startup_s']:.1f} s, eager {eager['startup_s']:.1f} s")
+    return out
+
+
+# Speculation is for latency-bound decode: at batch 1 decode with the fitted MTP drafter must not be slower
+# than without it. Batch 8 is measured without a target: a step then verifies 8 x (1 + 3) tokens, and on
+# this CPU the tiny model's step time grows with its tokens, so speculation cannot win where a verify of
+# 1 + k tokens costs about 1 + k plain steps (it wins where a step costs the same for 1 or 1 + k tokens).
+MTP_TARGETS = {"batch1": 1.0}
+MTP_DRAFTS = 3
+
+
+def mtp_bench(tmp: Path, gen: int) -> dict:
+    """Decode tokens/s of the MTP-fitted checkpoint with and without MTP (3 drafts), compiled, batch 1 and 8,
+    timed by difference (``gen`` tokens minus one token, same prompts); acceptance per draft position from
+    vLLM's counters."""
+    from ascend_adapters.glm_dsa.tiny import make_mtp_fitted
+
+    ckpt, fit = make_mtp_fitted(tmp / "mtp")
+    jobs = [
+        {"name": f"b{b}", "batch": b, "prompt_len": 32, "gen": gen, "seed": 5, "decode_by_difference": True}
+        for b in (1, 8)
+    ]
+    base = {"max_model_len": 256, "enforce_eager": False}
+    plain = run_engine(ckpt, base, jobs, None)
+    spec = {"method": "mtp", "num_speculative_tokens": MTP_DRAFTS}
+    mtp = run_engine(ckpt, {**base, "speculative_config": spec}, jobs, None)
+    out = {"fit": fit, "speculative_config": spec, "startup_s": {"mtp": mtp["startup_s"], "plain": plain["startup_s"]}}
+    drafts, per_pos = 0, [0] * MTP_DRAFTS
+    for jm, jp in zip(mtp["results"], plain["results"]):
+        c = jm["spec_decode_counters"]
+        drafts += c["vllm:spec_decode_num_drafts"]
+        per_pos = [a + b for a, b in zip(per_pos, c["vllm:spec_decode_num_accepted_tokens_per_pos"])]
+        ratio = jm["decode_tokens_per_s"] / jp["decode_tokens_per_s"]
+        out[f"batch{jm['batch']}"] = {
+            "mtp_decode_tok_s": jm["decode_tokens_per_s"],
+            "plain_decode_tok_s": jp["decode_tokens_per_s"],
+            "ratio_mtp_over_plain": ratio,
+            "same_tokens": jm["ids"] == jp["ids"],
+            "spec_decode_counters": c,
+        }
+        print(
+            f"  MTP batch {jm['batch']}: decode {jm['decode_tokens_per_s']:8.1f} tok/s, plain "
+            f"{jp['decode_tokens_per_s']:8.1f} tok/s, ratio {ratio:5.2f}x, same tokens: {jm['ids'] == jp['ids']}"
+        )
+    out["drafts"] = drafts
+    out["acceptance_per_position"] = [n / drafts for n in per_pos]
+    out["mean_accepted_length"] = 1 + sum(per_pos) / drafts
+    print(
+        f"  MTP acceptance per position {out['acceptance_per_position']}, mean accepted length {out['mean_accepted_length']:.2f}"
+    )
     return out
 
 
@@ -268,6 +355,8 @@ def main(argv=None) -> int:
     ap.add_argument("--baseline-rev", default=BASELINE_REV, help="git revision of the served-decode baseline")
     ap.add_argument("--skip-served", action="store_true", help="only the attention-layer part")
     ap.add_argument("--skip-layer", action="store_true", help="only the served-decode part")
+    ap.add_argument("--only-mtp", action="store_true", help="only the MTP part (record bench_mtp[_quick])")
+    ap.add_argument("--skip-mtp", action="store_true", help="without the MTP part")
     ap.add_argument(
         "--layer-threads",
         type=int,
@@ -283,10 +372,39 @@ def main(argv=None) -> int:
 
     from ascend_adapters.common.evidence import EvidenceRecord
 
-    gate = "bench_decode" + ("_served" if args.skip_layer else "") + ("_quick" if args.quick else "")
-    rec = EvidenceRecord(model="glm_dsa", gate=gate)
-    rec.metric("loadavg_before", os.getloadavg())
-    rec.command(f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}")
+    quick = "_quick" if args.quick else ""
+    command = f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}"
+    failed = 0
+    if not args.only_mtp:
+        rec = EvidenceRecord(model="glm_dsa", gate="bench_decode" + ("_served" if args.skip_layer else "") + quick)
+        rec.metric("loadavg_before", os.getloadavg())
+        rec.command(command)
+        failed |= _decode_parts(rec, args)
+    if not args.skip_mtp:
+        rec = EvidenceRecord(model="glm_dsa", gate="bench_mtp" + quick)
+        rec.metric("loadavg_before", os.getloadavg())
+        rec.command(command)
+        tmp = Path(tempfile.mkdtemp(prefix="bench-glm-dsa-mtp-"))
+        try:
+            mtp = mtp_bench(tmp, gen=32 if args.quick else 96)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        rec.metric("mtp", mtp)
+        for key, m in mtp.items():
+            if key.startswith("batch"):
+                rec.check(f"MTP {key}: greedy tokens identical to decoding without MTP", m["same_tokens"])
+                if key in MTP_TARGETS:
+                    rec.check(
+                        f"MTP {key}: decode tokens/s with MTP over without >= {MTP_TARGETS[key]}",
+                        m["ratio_mtp_over_plain"] >= MTP_TARGETS[key],
+                        {"ratio": m["ratio_mtp_over_plain"], "target": MTP_TARGETS[key]},
+                    )
+        failed |= _finish(rec, args, "_mtp")
+    return failed
+
+
+def _decode_parts(rec, args) -> int:
+    """Parts 1-3 into ``rec``."""
     contexts = [512, 2048] if args.quick else [512, 2048, 8192]
     layer = {}
     if args.skip_layer:
@@ -306,7 +424,7 @@ def main(argv=None) -> int:
         tmp = Path(tempfile.mkdtemp(prefix="bench-glm-dsa-"))
         try:
             baseline_src = extract_baseline(args.baseline_rev, tmp / "baseline")
-            served = served_bench(tmp, baseline_src, gen=8 if args.quick else 32, quick=args.quick)
+            served = served_bench(tmp, baseline_src, gen=24 if args.quick else 64, quick=args.quick)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         rec.metric("served", served)
@@ -324,12 +442,19 @@ def main(argv=None) -> int:
                 )
     else:
         rec.skip("served decode throughput", "--skip-served")
+    return _finish(rec, args)
+
+
+def _finish(rec, args, suffix: str = "") -> int:
     rec.metric("loadavg_after", os.getloadavg())
     rec.notes.append("wall-clock on a shared CPU machine; ratios are measured in the same run")
     if args.evidence_dir:
         print("evidence:", rec.write(args.evidence_dir))
     if args.out:
-        Path(args.out).write_text(json.dumps(rec.to_dict(), indent=2, default=str) + "\n")
+        out = Path(args.out)
+        out.with_name(out.stem + suffix + out.suffix).write_text(
+            json.dumps(rec.to_dict(), indent=2, default=str) + "\n"
+        )
     return 0 if rec.passed else 1
 
 
