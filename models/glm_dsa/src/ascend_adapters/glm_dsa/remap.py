@@ -46,7 +46,7 @@ def skip_rules(
     rules = dict(FIXED_SKIPS)
     if num_mtp_layers > 0:
         ids = "|".join(str(num_hidden_layers + i) for i in range(num_mtp_layers))
-        rules[rf"^model\.layers\.({ids})\."] = "MTP layer (num_nextn_predict_layers); not served"
+        rules[rf"^model\.layers\.({ids})\."] = "MTP layer (num_nextn_predict_layers): the MTP drafter loads it (mtp.py)"
     if dense:
         rules.update(DENSE_PATH_SKIPS)
     elif unused_indexer_layers:
