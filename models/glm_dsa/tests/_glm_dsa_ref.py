@@ -117,36 +117,22 @@ def random_prompts(lengths, seed: int = 1, vocab: int = 512) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def step_metadata(query_lens: list[int], seq_lens: list[int]):
-    """The metadata GlmDsaMetadataBuilder makes for requests r (blocks 2r+1, 2r+2; block 0 is the null
-    block) with ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]``."""
-    from ascend_adapters.glm_dsa.backend import GlmDsaMetadata, context_slots
+def step_metadata(query_lens: list[int], seq_lens: list[int], decode_query_max: int = 1):
+    """The metadata of a step of requests r (blocks 2r+1, 2r+2; block 0 is the null block) with
+    ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]`` (backend.step_metadata)."""
+    from ascend_adapters.glm_dsa.backend import step_metadata as build
 
-    n = len(query_lens)
     qsl = [0]
     for q in query_lens:
         qsl.append(qsl[-1] + q)
-    block_table = torch.tensor([[2 * r + 1, 2 * r + 2] for r in range(n)], dtype=torch.int32)
+    block_table = torch.tensor([[2 * r + 1, 2 * r + 2] for r in range(len(query_lens))], dtype=torch.int32)
     slots = torch.cat(
         [
             block_table[r, torch.arange(s - q, s) // 16].long() * 16 + torch.arange(s - q, s) % 16
             for r, (q, s) in enumerate(zip(query_lens, seq_lens))
         ]
     )
-    decodes = [r for r in range(n) if query_lens[r] == 1]
-    d_slots, d_valid = context_slots(block_table[decodes], torch.tensor([seq_lens[r] for r in decodes]), 16)
-    return GlmDsaMetadata(
-        num_reqs=n,
-        num_actual_tokens=qsl[-1],
-        query_start_loc=qsl,
-        seq_lens=seq_lens,
-        block_table=block_table,
-        slot_mapping=slots,
-        decode_tokens=torch.tensor([qsl[r] for r in decodes], dtype=torch.long),
-        decode_slots=d_slots,
-        decode_valid=d_valid,
-        prefills=[(r, qsl[r], qsl[r + 1], seq_lens[r]) for r in range(n) if query_lens[r] > 1],
-    )
+    return build(qsl, list(seq_lens), block_table, slots, 16, decode_query_max)
 
 
 def two_rank_cpu_bind(what: str) -> dict:

@@ -153,6 +153,27 @@ def test_step_reads_no_device_value_on_host(inprocess_model, query_lens, seq_len
     assert torch.isfinite(out).all()
 
 
+@pytest.mark.vllm
+def test_speculative_step_joins_the_decode_call_unchanged(inprocess_model):
+    """A speculative step's requests of 1 + k tokens (and short prefills) go to the batched decode call,
+    each token with its causal context (backend.step_metadata): the same outputs as one prefill call per
+    request, with the indexer selecting (contexts beyond index_topk 8; random cache, no score ties)."""
+    from vllm.forward_context import set_forward_context
+
+    cfg, model, layers = inprocess_model
+    query_lens, seq_lens = [4, 3, 2, 4], [20, 3, 31, 12]
+    tokens = torch.randint(1, 500, (sum(query_lens),), generator=torch.Generator().manual_seed(3))
+    positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
+    outs = []
+    for decode_query_max in (1, 4):
+        md = step_metadata(query_lens, seq_lens, decode_query_max)
+        assert len(md.prefills) == (4 if decode_query_max == 1 else 0)
+        with set_forward_context({a.layer_name: md for a in layers}, cfg, num_tokens=len(tokens)):
+            with torch.inference_mode():
+                outs.append(model.model.forward(tokens, positions))
+    assert float((outs[0] - outs[1]).abs().max()) < 1e-5
+
+
 def test_policy_splits_at_the_op_the_model_registers():
     """The start-up policy names the attention op without importing the model; it must be the model's."""
     import ascend_adapters.glm_dsa.model  # noqa: F401  (registers the op)

@@ -6,8 +6,10 @@ because vLLM's proposer shares the target's), the layer fitted to predict its ow
 next, so drafts are accepted and rejected.
 
 Served (one engine, compiled, vLLM's default): 3 draft tokens (the one MTP layer reused), four prompts
-of 3..100 tokens batched with chunked prefill (32 tokens per step; index_topk 8, so the sparse path),
-then the longest and the shortest alone, 24 tokens each. The target's logits at every generated step
+of 3..100 tokens batched with chunked prefill (32 tokens per step; the sparse path),
+then the longest and the shortest alone, 24 tokens each (contexts up to 124 tokens, under the fitted
+checkpoint's index_topk 128: its greedy text repeats itself, so top-k scores nearly tie, see tiny.MTP_FITTED;
+the selection itself is tested in process below and in test_glm_dsa_compiled). The target's logits at every generated step
 must match transformers on the same tokens within the compiled gate's bound, and its greedy tokens
 must be transformers' (so identical to decoding without MTP, which the parity gates tie to the same
 reference); vLLM's own counters must show drafts accepted at every draft position and some rejected.
@@ -18,9 +20,10 @@ bench record's rate (same checkpoint, other random prompts) by more than three b
 errors of this run's draft count: ``rate_record - 3 * sqrt(r (1 - r) / drafts)``. A collapse (MTP
 weights not loaded, wrong hidden states, wrong position) drops the rate to about zero.
 
-In process (no engine): the drafter's logits over a 21-token prefill and one decode step equal the
-independent MTP reference (``_glm_dsa_mtp_ref``, transformers' decoder layer) fed the same target
-hidden states; the decode step reads no device value on the host.
+In process (no engine), on the random tiny checkpoint (index_topk 8, no near-ties): the drafter's logits
+over a 21-token prefill and one decode step equal the independent MTP reference (``_glm_dsa_mtp_ref``,
+transformers' decoder layer) fed the same target hidden states; the decode step reads no device value on
+the host.
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from pathlib import Path
 import pytest
 import torch
 from _glm_dsa_mtp_ref import MtpReference
-from _glm_dsa_ref import Reference, add_released_extras, random_prompts, step_metadata, two_rank_cpu_bind
+from _glm_dsa_ref import Reference, add_released_extras, build, random_prompts, step_metadata, two_rank_cpu_bind
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import HostReads
@@ -235,7 +238,7 @@ def test_acceptance_does_not_fall_below_the_bench_record(served):
 
 
 @pytest.fixture(scope="module")
-def inprocess_drafter(fitted):
+def inprocess_drafter(tmp_path_factory):
     from safetensors.torch import load_file
     from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
     from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
@@ -244,7 +247,7 @@ def inprocess_drafter(fitted):
     from ascend_adapters.glm_dsa.mtp import GlmMoeDsaMTP
     from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
-    ckpt = fitted[0]
+    ckpt = build(tmp_path_factory.mktemp("glm_dsa_drafter"), "tiny-sparse", index_topk=8)
     register()
     mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=160, skip_tokenizer_init=True)
     cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16, enable_prefix_caching=False))

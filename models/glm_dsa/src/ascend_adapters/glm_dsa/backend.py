@@ -79,34 +79,50 @@ class GlmDsaMetadataBuilder(AttentionMetadataBuilder[GlmDsaMetadata]):
         qsl = m.query_start_loc_cpu[: n + 1].tolist()
         seq_lens = m.seq_lens[:n].cpu().tolist()
         block_table = m.block_table_tensor[:n]
-        rows, tokens, lengths, prefills = [], [], [], []
-        for r in range(n):
-            q = qsl[r + 1] - qsl[r]
-            if q > self.decode_query_max:
-                prefills.append((r, qsl[r], qsl[r + 1], seq_lens[r]))
-                continue
-            for j in range(q):  # token j of the request sees its context up to and including itself
-                rows.append(r)
-                tokens.append(qsl[r] + j)
-                lengths.append(seq_lens[r] - q + 1 + j)
-        device = block_table.device
-        slots, valid = context_slots(
-            block_table[torch.tensor(rows, dtype=torch.long, device=device)],
-            torch.tensor(lengths, dtype=torch.long, device=device),
-            self.block_size,
+        return step_metadata(
+            qsl, seq_lens, block_table, m.slot_mapping[: m.num_actual_tokens], self.block_size, self.decode_query_max
         )
-        return GlmDsaMetadata(
-            num_reqs=n,
-            num_actual_tokens=m.num_actual_tokens,
-            query_start_loc=qsl,
-            seq_lens=seq_lens,
-            block_table=block_table,
-            slot_mapping=m.slot_mapping[: m.num_actual_tokens],
-            decode_tokens=torch.tensor(tokens, dtype=torch.long, device=device),
-            decode_slots=slots,
-            decode_valid=valid,
-            prefills=prefills,
-        )
+
+
+def step_metadata(
+    qsl: list[int],
+    seq_lens: list[int],
+    block_table: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    block_size: int,
+    decode_query_max: int,
+) -> GlmDsaMetadata:
+    """A step's metadata from its host bookkeeping: a request with at most ``decode_query_max`` query
+    tokens joins the batched decode call (each token with its causal context), any other is a prefill."""
+    n = len(seq_lens)
+    rows, tokens, lengths, prefills = [], [], [], []
+    for r in range(n):
+        q = qsl[r + 1] - qsl[r]
+        if q > decode_query_max:
+            prefills.append((r, qsl[r], qsl[r + 1], seq_lens[r]))
+            continue
+        for j in range(q):  # token j of the request sees its context up to and including itself
+            rows.append(r)
+            tokens.append(qsl[r] + j)
+            lengths.append(seq_lens[r] - q + 1 + j)
+    device = block_table.device
+    slots, valid = context_slots(
+        block_table[torch.tensor(rows, dtype=torch.long, device=device)],
+        torch.tensor(lengths, dtype=torch.long, device=device),
+        block_size,
+    )
+    return GlmDsaMetadata(
+        num_reqs=n,
+        num_actual_tokens=qsl[n],
+        query_start_loc=qsl,
+        seq_lens=seq_lens,
+        block_table=block_table,
+        slot_mapping=slot_mapping,
+        decode_tokens=torch.tensor(tokens, dtype=torch.long, device=device),
+        decode_slots=slots,
+        decode_valid=valid,
+        prefills=prefills,
+    )
 
 
 class GlmDsaImpl(AttentionImpl):
