@@ -136,21 +136,14 @@ def _prompts(n: int, length: int, seed: int) -> list[list[int]]:
     return [torch.randint(1, 500, (length,), generator=g).tolist() for _ in range(n)]
 
 
-def _minus(after, before):
-    if isinstance(after, list):
-        return [a - b for a, b in zip(after, before or [0] * len(after))]
-    return after - (before or 0)
-
-
 def worker(spec_path: str) -> int:
     """Inside a subprocess: one engine, a list of timed jobs (with vLLM's speculative-decoding counters over
     the last timed repeat when the engine speculates)."""
     from vllm import LLM, SamplingParams
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from _glm_dsa_engine_worker import _counters
-
     import ascend_adapters.glm_dsa.model as glm_model
+    from ascend_adapters.testing.engine_worker import counters as _counters
+    from ascend_adapters.testing.engine_worker import delta
 
     spec = json.loads(Path(spec_path).read_text())
     started = time.perf_counter()
@@ -178,7 +171,7 @@ def worker(spec_path: str) -> int:
             ids = [list(o.outputs[0].token_ids) for o in out]
             if speculative:
                 after = _counters(llm)
-                counters = {k: _minus(v, before.get(k)) for k, v in after.items()}
+                counters = delta(before, after)
         return best, ids, counters
 
     for job in spec["jobs"]:

@@ -30,10 +30,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -44,6 +40,7 @@ from _glm_dsa_ref import Reference, add_released_extras, build, random_prompts, 
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import HostReads
+from ascend_adapters.testing.engine_worker import engine_run as run_engine
 
 DRAFTS = 3
 MTP = {"method": "mtp", "num_speculative_tokens": DRAFTS}
@@ -73,19 +70,7 @@ def fitted(tmp_path_factory):
 
 
 def engine_run(model_dir, runs, llm_kwargs, env=None) -> list[dict]:
-    spec = {"model": str(model_dir), "runs": runs, "max_tokens": MAX_TOKENS, "llm_kwargs": llm_kwargs}
-    with tempfile.TemporaryDirectory(prefix="glm-dsa-mtp-") as tmp:
-        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "_glm_dsa_engine_worker.py"), str(spec_path), str(out)],
-            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-        return torch.load(out)
+    return run_engine(model_dir, runs, MAX_TOKENS, llm_kwargs, env)
 
 
 def _judge(ckpt, batches) -> dict:

@@ -7,7 +7,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 from ascend_adapters.rwkv7.convert import convert
@@ -33,26 +32,6 @@ def build_case(root: Path, name: str, *, repeating: bool = False) -> tuple[Path,
     pth = write_pth(root / f"{name}.pth", sd)
     out = convert(pth, root / name, log=lambda *_: None)
     return pth, out
-
-
-def engine_run(model_dir, runs, max_tokens: int, llm_kwargs: dict, env: dict | None = None) -> list[dict]:
-    """``_rwkv7_engine_worker.py`` on one engine: per batch of ``runs``, its rows (prompt, generated
-    tokens, raw logits of each generated step) and vLLM's counters over that batch."""
-    import torch
-
-    spec = {"model": str(model_dir), "runs": runs, "max_tokens": max_tokens, "llm_kwargs": llm_kwargs}
-    with tempfile.TemporaryDirectory(prefix="rwkv7-engine-") as tmp:
-        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
-        spec_path.write_text(json.dumps(spec))
-        proc = subprocess.run(
-            [sys.executable, str(Path(__file__).parent / "_rwkv7_engine_worker.py"), str(spec_path), str(out)],
-            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
-            capture_output=True,
-            text=True,
-            timeout=900,
-        )
-        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
-        return torch.load(out)
 
 
 def prompts(vocab: int, lengths, seed: int = 0) -> list[list[int]]:

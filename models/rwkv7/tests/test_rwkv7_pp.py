@@ -24,11 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, TP_CASES, build_case, engine_run, prompts
+from _rwkv7_cases import CASES, TP_CASES, build_case, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.common.loading import PIPELINE_STAGE_REASON
+from ascend_adapters.testing.engine_worker import engine_run
 from ascend_adapters.testing.parity import compare, vllm_logits
 
 HERE = Path(__file__).parent

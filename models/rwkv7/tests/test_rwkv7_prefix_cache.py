@@ -18,10 +18,11 @@ the same requests on an engine without prefix caching, at the parity gate's boun
 from __future__ import annotations
 
 import pytest
-from _rwkv7_cases import CASES, build_case, engine_run, prompts
+from _rwkv7_cases import CASES, build_case, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.engine_worker import engine_run
 
 CASE = "h64x2_l3"
 BLOCK = 16

@@ -26,11 +26,12 @@ import time
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, build_inprocess_model, engine_configs, engine_run, prompts
+from _rwkv7_cases import CASES, build_case, build_inprocess_model, engine_configs, prompts
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import HostReads
+from ascend_adapters.testing.engine_worker import engine_run
 
 CASE = "h64x2_l3"
 LENGTHS = (3, 19, 66, 90)

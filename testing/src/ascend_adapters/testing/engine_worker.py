@@ -1,7 +1,7 @@
-"""Subprocess: run prompt batches one after another on one vLLM engine and report, per
-request, the generated tokens and their raw logits, and per batch vLLM's own counters.
+"""Prompt batches one after another on one vLLM engine, in a subprocess: per request the generated
+tokens and their raw logits, per batch vLLM's own counters (``engine_run``).
 
-``python _rwkv7_engine_worker.py SPEC_JSON OUT_PT``; the spec holds ``model``, ``runs``
+``python -m ascend_adapters.testing.engine_worker SPEC_JSON OUT_PT``; the spec holds ``model``, ``runs``
 (a list of batches of token-id prompts), ``max_tokens`` and ``llm_kwargs``. No prompt
 logprobs are asked for: vLLM does not read the prefix cache for requests that want them.
 Before and after each batch the engine's counters are read (``LLM.get_metrics``): prefix-cache
@@ -10,7 +10,11 @@ accepted tokens per draft position).
 """
 
 import json
+import os
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 
 COUNTERS = (
     "vllm:prefix_cache_hits",
@@ -22,7 +26,8 @@ COUNTERS = (
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
-def _counters(llm) -> dict:
+def counters(llm) -> dict:
+    """vLLM's prefix-cache and speculative-decoding counters of ``llm`` now (summed over engines)."""
     out = {}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
@@ -33,7 +38,8 @@ def _counters(llm) -> dict:
     return out
 
 
-def _delta(before: dict, after: dict) -> dict:
+def delta(before: dict, after: dict) -> dict:
+    """``after - before`` per counter (per draft position for the per-position counter)."""
     out = {}
     for name, value in after.items():
         if isinstance(value, list):
@@ -62,9 +68,9 @@ def main(spec_path, out_path):
     )
     out = []
     for batch in spec["runs"]:
-        before = _counters(llm)
+        before = counters(llm)
         results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
-        after = _counters(llm)
+        after = counters(llm)
         rows = []
         for prompt, res in zip(batch, results):
             comp = res.outputs[0]
@@ -83,16 +89,36 @@ def main(spec_path, out_path):
                     "num_cached_tokens": res.num_cached_tokens,
                 }
             )
-        counters = _delta(before, after)
+        step = delta(before, after)
         out.append(
             {
                 "rows": rows,
-                "hits": counters.get("vllm:prefix_cache_hits", 0),
-                "queries": counters.get("vllm:prefix_cache_queries", 0),
-                "counters": counters,
+                "hits": step.get("vllm:prefix_cache_hits", 0),
+                "queries": step.get("vllm:prefix_cache_queries", 0),
+                "counters": step,
             }
         )
     torch.save(out, out_path)
+
+
+def engine_run(model_dir, runs, max_tokens: int, llm_kwargs: dict, env: dict | None = None) -> list[dict]:
+    """This module on one engine in a subprocess: per batch of ``runs``, its rows (prompt, generated
+    tokens, raw logits of each generated step, cached prompt tokens) and vLLM's counters over that batch."""
+    import torch
+
+    spec = {"model": str(model_dir), "runs": runs, "max_tokens": max_tokens, "llm_kwargs": llm_kwargs}
+    with tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
+        spec_path, out = Path(tmp) / "spec.json", Path(tmp) / "out.pt"
+        spec_path.write_text(json.dumps(spec))
+        proc = subprocess.run(
+            [sys.executable, "-m", "ascend_adapters.testing.engine_worker", str(spec_path), str(out)],
+            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
+            capture_output=True,
+            text=True,
+            timeout=900,
+        )
+        assert proc.returncode == 0 and out.exists(), (proc.stdout + proc.stderr)[-6000:]
+        return torch.load(out)
 
 
 if __name__ == "__main__":
