@@ -125,6 +125,51 @@ def speculation_refusal(vllm_config, methods: tuple[str, ...]) -> str | None:
     )
 
 
+def route_mtp_draft(
+    vllm_config,
+    *,
+    arch: str,
+    drafter: str,
+    engine_names: tuple[str, ...],
+    error: type[Exception] = ValueError,
+    prepare=None,
+) -> None:
+    """Point ``--speculative-config '{"method": "mtp"}'``'s draft model at the adapter's own MTP drafter.
+
+    vLLM names the draft of a target after its own MTP class (``SpeculativeConfig.hf_config_override``,
+    per engine: ``engine_names``), which does not run beside the adapter's layers. This rewrites the
+    draft config's ``architectures`` to ``drafter`` (registered by the adapter's hook under a name of its
+    own, so vLLM's MTP classes stay as they are for other models) and tells vLLM (``update_arch_``).
+    ``prepare(draft_hf_config)`` fixes up the draft config first. Refused, in one line each: a draft name
+    the adapter was not tested with, a checkpoint without MTP layer, pipeline parallelism (vLLM's
+    proposer shares the target's embedding and head with the drafter only on one stage)."""
+    spec = vllm_config.speculative_config
+    draft = spec.draft_model_config
+    named = list(draft.hf_config.architectures or [])
+    if named != [drafter] and not set(named) & set(engine_names):
+        raise error(
+            f"{arch} (ascend-adapters): this vLLM names the MTP draft {named}, not one of "
+            f"{list(engine_names)}; the adapter's drafter is untested with it. Serve without "
+            "--speculative-config"
+        )
+    if not int(getattr(draft.hf_text_config, "num_nextn_predict_layers", 0) or 0):
+        raise error(
+            f"{arch} (ascend-adapters): speculative method 'mtp' needs the checkpoint's MTP layer, and "
+            "config.json num_nextn_predict_layers is 0 or missing. Serve without --speculative-config"
+        )
+    pp = vllm_config.parallel_config.pipeline_parallel_size
+    if pp > 1:
+        raise error(
+            f"{arch} (ascend-adapters): speculative method 'mtp' with pipeline_parallel_size={pp} is not "
+            "served (vLLM shares the target's embedding and LM head with the drafter only without pipeline "
+            "parallelism). Use --pipeline-parallel-size 1 or serve without --speculative-config"
+        )
+    if prepare is not None:
+        prepare(draft.hf_config)
+    draft.hf_config.architectures = [drafter]
+    spec.update_arch_()
+
+
 # common's routed-expert ops (common.kernels.experts, common.quant.moe): they sort routes on the host
 EXPERT_OPS = ("vllm::ascend_adapters_swiglu_experts", "vllm::ascend_adapters_w8a8_dynamic_moe")
 

@@ -21,36 +21,13 @@ ENGINE_DRAFT_ARCHITECTURES = ("DeepSeekMTPModel", "DeepseekV32MTPModel")
 def route_mtp_draft(vllm_config) -> None:
     """Point the MTP draft model at this adapter's drafter (``mtp.GlmMoeDsaMTP``) instead of the DeepSeek
     MTP class vLLM names, which builds vLLM's own MLA attention around the checkpoint (start-up then
-    fails: ``topk_indices_buffer is not supported for DeepseekV2Attention``). Refuses a checkpoint
-    without MTP layer and pipeline parallelism (vLLM's proposer shares the target's embedding and head
-    only on one stage)."""
+    fails: ``topk_indices_buffer is not supported for DeepseekV2Attention``)."""
+    from ascend_adapters.common.policy import route_mtp_draft as route
     from ascend_adapters.glm_dsa import DRAFT_ARCHITECTURES
     from ascend_adapters.glm_dsa.config import GlmDsaConfigError
 
-    spec = vllm_config.speculative_config
-    draft = spec.draft_model_config
-    ours = next(iter(DRAFT_ARCHITECTURES))
-    named = list(draft.hf_config.architectures or [])
-    if named != [ours] and not set(named) & set(ENGINE_DRAFT_ARCHITECTURES):
-        raise GlmDsaConfigError(
-            f"{ARCH} (ascend-adapters): this vLLM names the MTP draft {named}, not one of "
-            f"{list(ENGINE_DRAFT_ARCHITECTURES)}; the adapter's drafter is untested with it. Serve without "
-            "--speculative-config"
-        )
-    if not int(getattr(draft.hf_text_config, "num_nextn_predict_layers", 0) or 0):
-        raise GlmDsaConfigError(
-            f"{ARCH} (ascend-adapters): speculative method 'mtp' needs the checkpoint's MTP layer, and "
-            "config.json num_nextn_predict_layers is 0 or missing. Serve without --speculative-config"
-        )
-    if vllm_config.parallel_config.pipeline_parallel_size > 1:
-        raise GlmDsaConfigError(
-            f"{ARCH} (ascend-adapters): speculative method 'mtp' with pipeline_parallel_size="
-            f"{vllm_config.parallel_config.pipeline_parallel_size} is not served (vLLM shares the target's "
-            "embedding and LM head with the drafter only without pipeline parallelism). Use "
-            "--pipeline-parallel-size 1 or serve without --speculative-config"
-        )
-    draft.hf_config.architectures = [ours]
-    spec.update_arch_()
+    drafter = next(iter(DRAFT_ARCHITECTURES))
+    route(vllm_config, arch=ARCH, drafter=drafter, engine_names=ENGINE_DRAFT_ARCHITECTURES, error=GlmDsaConfigError)
 
 
 def check_startup(vllm_config) -> None:
