@@ -22,12 +22,16 @@ from __future__ import annotations
 ARCH = "DeepseekV4ForCausalLM"
 
 # speculative decoding methods this adapter serves (its start-up policy refuses any other; status reports it)
-SPECULATIVE_METHODS: tuple[str, ...] = ()
+SPECULATIVE_METHODS: tuple[str, ...] = ("mtp",)
 # the attention op (registered by model.py), where vLLM's compiled graph splits (policy.py; status)
 SPLITTING_OPS: tuple[str, ...] = ("vllm::dsv4_attention",)
 
 # architecture name -> "module:Class"
 ARCHITECTURES: dict[str, str] = {ARCH: "ascend_adapters.deepseek_v4.model:DeepseekV4ForCausalLM"}
+
+# the MTP drafter (mtp.py): the start-up policy points the draft model config of a DeepseekV4ForCausalLM
+# target at it; registered beside the target, under a name of its own so vLLM's DeepSeek-V4 MTP stays as is
+DRAFT_ARCHITECTURES: dict[str, str] = {"DeepseekV4MTP": "ascend_adapters.deepseek_v4.mtp:DeepseekV4MTP"}
 
 
 ENABLE_ENV = "ASCEND_ADAPTERS_DEEPSEEK_V4"
@@ -52,4 +56,5 @@ def register() -> None:
 
     register_config()
     register_architectures(ARCHITECTURES)
+    register_architectures(DRAFT_ARCHITECTURES)
     policy.install()

@@ -31,6 +31,9 @@ LAYER_SLIDING = "sliding_attention"
 LAYER_CSA = "compressed_sparse_attention"
 LAYER_HCA = "heavily_compressed_attention"
 SUPPORTED_ROPE_TYPES = ("default", "yarn")
+# The MTP layer's attention and MoE type: DeepSeek's config lists its compress ratio after the main
+# layers' (0: sliding window); its MoE routes by score (hash routing is for the first layers only).
+MTP_LAYER_TYPE, MTP_MLP_TYPE = LAYER_SLIDING, "moe"
 
 
 def compressed_enabled() -> bool:

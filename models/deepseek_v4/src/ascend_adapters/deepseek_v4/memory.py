@@ -28,7 +28,18 @@ from ascend_adapters.deepseek_v4.config import (
 )
 
 
-def state_dims(config, max_model_len: int) -> dict:
+def rollback_slack(num_speculative_tokens: int) -> int:
+    """Extra ring rows so rejected draft tokens never overwrite a row still read.
+
+    A verify step writes positions up to ``p + k`` and the MTP drafter's steps up to ``p + 2k - 1``,
+    while the next step may restart at ``p + 1``: the rings must keep the ``W - 1`` (window) or ``R``
+    (compressor input) positions before the restart, so they need ``2k`` more rows than without
+    speculation. Compressed entries and indexer keys need none: a window's entry is rewritten when
+    the window closes again, before any query may see it."""
+    return 2 * int(num_speculative_tokens or 0)
+
+
+def state_dims(config, max_model_len: int, num_speculative_tokens: int = 0) -> dict:
     """Per-layer state sizes shared by every attention layer (uniform page)."""
     types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
     rates = config.compress_rates
@@ -37,16 +48,17 @@ def state_dims(config, max_model_len: int) -> dict:
     ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
     min_rate = min([r for r in (csa, hca) if r] or [0]) or None
     entries = (max_model_len // min_rate + 1) if min_rate else 1
+    slack = rollback_slack(num_speculative_tokens)
     return {
-        "window": int(config.sliding_window),
-        "ring": int(ring),
+        "window": int(config.sliding_window) + slack,
+        "ring": int(ring) + slack,
         "entries": int(entries),
         "index_dim": int(config.index_head_dim) if csa else 1,
     }
 
 
-def state_shapes(config, max_model_len: int) -> tuple[tuple[int, ...], ...]:
-    d = state_dims(config, max_model_len)
+def state_shapes(config, max_model_len: int, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], ...]:
+    d = state_dims(config, max_model_len, num_speculative_tokens)
     return (
         (d["window"], config.head_dim),
         (d["ring"], config.hidden_size),

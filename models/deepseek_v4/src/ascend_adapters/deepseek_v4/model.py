@@ -26,6 +26,7 @@ reads only positions of its own request that were written before.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable
 from itertools import islice
@@ -313,8 +314,9 @@ class DeepseekV4Attention(nn.Module, MambaBase):
         self.rotary_emb = deepseek_v4_rope(config, label, self.max_model_len)
         # compressed entries and the indexer's queries always take the compress set
         self.compress_rotary_emb = deepseek_v4_rope(config, "compress", self.max_model_len)
-        self._shapes = state_shapes(config, self.max_model_len)
-        self._dims = state_dims(config, self.max_model_len)
+        self.num_speculative_tokens = vllm_config.num_speculative_tokens
+        self._shapes = state_shapes(config, self.max_model_len, self.num_speculative_tokens)
+        self._dims = state_dims(config, self.max_model_len, self.num_speculative_tokens)
         cc = vllm_config.compilation_config
         if prefix in cc.static_forward_context:
             raise ValueError(f"Duplicate layer name: {prefix}")
@@ -335,18 +337,23 @@ class DeepseekV4Attention(nn.Module, MambaBase):
     def get_attn_backend(self) -> type[DeepseekV4StateBackend]:
         return DeepseekV4StateBackend
 
+    def get_kv_cache_spec(self, vllm_config: VllmConfig):
+        # One state page per request also under speculation: the rings carry rollback slack
+        # (memory.rollback_slack) instead of vLLM's one page per speculative position.
+        return dataclasses.replace(super().get_kv_cache_spec(vllm_config), num_speculative_blocks=0)
+
     # -- one request -------------------------------------------------------------------------
     def _seq(self, x, q, kv, qr, pos0: int, state):
         """Attention for one request's ``n`` new tokens at positions pos0..pos0+n-1."""
         n = x.shape[0]
         dev = x.device
         qpos = torch.arange(pos0, pos0 + n, device=dev)
-        W = self.window
+        W, slots = self.window, self._dims["window"]
         # sliding-window keys: the W-1 positions before pos0 (from the ring) + the new ones
         lo = max(0, pos0 - W + 1)
         prev_pos = torch.arange(lo, pos0, device=dev)
         if state is not None and prev_pos.numel():
-            prev_kv = state[0][prev_pos % W].to(kv.dtype)
+            prev_kv = state[0][prev_pos % slots].to(kv.dtype)
         else:
             prev_pos = prev_pos[:0]
             prev_kv = kv.new_zeros((0, kv.shape[1]))
@@ -362,8 +369,8 @@ class DeepseekV4Attention(nn.Module, MambaBase):
             keys = torch.cat([keys, entries], 0)
             allowed = torch.cat([allowed, visible], 1)
         if state is not None:
-            keep = min(n, W)
-            state[0][qpos[-keep:] % W] = kv[-keep:].to(state[0].dtype)
+            keep = min(n, slots)
+            state[0][qpos[-keep:] % slots] = kv[-keep:].to(state[0].dtype)
         return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
 
     def _compress(self, x, pos0: int, state):
@@ -530,6 +537,11 @@ class DeepseekV4Model(nn.Module):
             self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=f32))
             self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=f32))
             self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+            # The MTP drafter reads the streams before the hc head (get_mtp_target_hidden_states).
+            spec = vllm_config.speculative_config
+            if spec is not None and spec.method == "mtp":
+                rows = vllm_config.scheduler_config.max_num_batched_tokens
+                self.register_buffer("mtp_streams", torch.empty(rows, n * config.hidden_size), persistent=False)
         else:
             self.norm = PPMissingLayer()
             self.hc_head = PPMissingLayer()
@@ -558,6 +570,8 @@ class DeepseekV4Model(nn.Module):
             streams = layer(streams, positions, input_ids)
         if not get_pp_group().is_last_rank:
             return IntermediateTensors({"hidden_states": streams})
+        if hasattr(self, "mtp_streams"):
+            self.mtp_streams[: streams.shape[0]].copy_(streams.flatten(1))
         h = self.hc_head_op(
             streams,
             self.hc_head.hc_fn,
@@ -615,12 +629,13 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsP
     # vLLM's state-cache sizing asks the class before the model exists.
     @classmethod
     def get_mamba_state_shape_from_config(cls, vllm_config: VllmConfig):
-        return state_shapes(vllm_config.model_config.hf_config, vllm_config.model_config.max_model_len)
+        mc = vllm_config.model_config
+        return state_shapes(mc.hf_config, mc.max_model_len, vllm_config.num_speculative_tokens)
 
     @classmethod
     def get_mamba_state_dtype_from_config(cls, vllm_config: VllmConfig):
         cfg = vllm_config.model_config.hf_config
-        return (torch.float32,) * len(state_shapes(cfg, vllm_config.model_config.max_model_len))
+        return (torch.float32,) * len(state_shapes(cfg, vllm_config.model_config.max_model_len))  # 4 either way
 
     def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)
@@ -637,6 +652,11 @@ class DeepseekV4ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsP
 
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
         return self.logits_processor(self.lm_head, hidden_states)
+
+    def get_mtp_target_hidden_states(self) -> torch.Tensor | None:
+        """What vLLM's proposer feeds the MTP drafter: the last step's streams before the hc head,
+        ``[tokens, hc_mult * hidden]`` (rows past the step's tokens are stale)."""
+        return getattr(self.model, "mtp_streams", None)
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

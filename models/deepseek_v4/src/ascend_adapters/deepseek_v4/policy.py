@@ -17,6 +17,34 @@ from ascend_adapters.deepseek_v4.config import (
     validate_config,
 )
 
+# the draft architecture each supported engine's SpeculativeConfig names for a deepseek_v4 target
+# (DeepSeekMTPModel: the parser applies the override twice, the second pass sees model_type deepseek_mtp)
+ENGINE_DRAFT_ARCHITECTURES = ("DeepSeekV4MTPModel", "DeepSeekMTPModel")
+
+
+def _restore_compress_ratios(draft_hf_config) -> None:
+    # vLLM's proposer sizes its hidden-state buffer for the target's hc_mult streams only when the draft
+    # config has compress_ratios (DeepSeek's key, which transformers' config turns into layer_types)
+    if not hasattr(draft_hf_config, "compress_ratios"):
+        types, rates = draft_hf_config.layer_types, draft_hf_config.compress_rates
+        draft_hf_config.compress_ratios = [0 if t == LAYER_SLIDING else rates[t] for t in types]
+
+
+def route_mtp_draft(vllm_config) -> None:
+    """Point the MTP draft model at this adapter's drafter (``mtp.DeepseekV4MTP``) instead of vLLM's
+    DeepSeek-V4 MTP (its CUDA kernels; on CPU a stub that raises)."""
+    from ascend_adapters.common.policy import route_mtp_draft as route
+    from ascend_adapters.deepseek_v4 import DRAFT_ARCHITECTURES
+
+    drafter = next(iter(DRAFT_ARCHITECTURES))
+    route(
+        vllm_config,
+        arch=ARCH,
+        drafter=drafter,
+        engine_names=ENGINE_DRAFT_ARCHITECTURES,
+        prepare=_restore_compress_ratios,
+    )
+
 
 def check_startup(vllm_config) -> None:
     model_config = vllm_config.model_config
@@ -59,9 +87,14 @@ def check_startup(vllm_config) -> None:
             "detected from quant_model_description.json), and DeepSeek's release (quantization_config "
             f"quant_method fp8: FP8 e4m3 block-scaled linears, FP4 e2m1 experts, dequantized at load).{hint}"
         )
-    spec = getattr(vllm_config, "speculative_config", None)
-    if spec is not None:
-        raise ValueError(f"{ARCH} (ascend-adapters portable path): speculative decoding is not supported")
+    from ascend_adapters.common.policy import speculation_refusal
+    from ascend_adapters.deepseek_v4 import SPECULATIVE_METHODS
+
+    refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
+    if refusal:
+        raise ValueError(f"{ARCH} (ascend-adapters portable path): {refusal}")
+    if vllm_config.speculative_config is not None:
+        route_mtp_draft(vllm_config)
     from ascend_adapters.common.policy import compile_split_at
     from ascend_adapters.deepseek_v4 import SPLITTING_OPS
 

@@ -107,3 +107,28 @@ def weights_mapper(config=None) -> WeightsMapper:
     skips = {p: None for p in mtp_patterns(config)}
     renames = {re.compile(p): r for p, r in NATIVE_TO_HF + HF_TO_VLLM}
     return WeightsMapper(orig_to_new_regex={**skips, **renames})
+
+
+def mtp_skip_rules(config) -> dict[str, str]:
+    """What the MTP drafter (``mtp.py``) drops: the main model's tensors, and an MTP layer's copies of the
+    embedding and head (vLLM's proposer installs the target's)."""
+    return {
+        r"^(?!(model\.)?mtp\.)": "the target model's tensor; the MTP drafter owns only its MTP layers",
+        r"^(model\.)?mtp\.\d+\.(emb|head|embed_tokens|shared_head\.head)\.": (
+            "the MTP layer's copy of the embedding or LM head; vLLM's proposer shares the target's"
+        ),
+    }
+
+
+def mtp_weights_mapper(config) -> WeightsMapper:
+    """DeepSeek's ``mtp.K.*`` -> the drafter's ``model.layers.<num_hidden_layers + K>.*``, then the main
+    model's renames (the MTP layer is a decoder layer) and the MTP layer's own: ``norm`` is the shared
+    head's norm, ``hc_head_*`` its hyper-connection head."""
+    n = int(config.num_hidden_layers)
+    layers = {
+        re.compile(rf"^(model\.)?mtp\.{k}\."): f"model.layers.{n + k}."
+        for k in range(int(getattr(config, "num_nextn_predict_layers", 0) or 0))
+    }
+    head_norm = {re.compile(r"^(model\.layers\.\d+)\.norm\.weight$"): r"\1.shared_head.norm.weight"}
+    renames = {re.compile(p): r for p, r in NATIVE_TO_HF + HF_TO_VLLM}
+    return WeightsMapper(orig_to_new_regex={**layers, **head_norm, **renames})

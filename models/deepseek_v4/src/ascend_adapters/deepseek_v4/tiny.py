@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE
+
 # vLLM forces its own `deepseek_v4` tokenizer mode for this architecture, which
 # expects DeepSeek's tokenizer; the tiny checkpoint ships a small local BPE.
 SERVE_ARGS = ["--tokenizer-mode", "hf"]
@@ -127,14 +129,17 @@ def build_tiny_model(seed: int = 0, **overrides):
     return model
 
 
-def make_tiny(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
-    """Write a tiny DeepSeek-V4 checkpoint saved by transformers (float32) plus a tokenizer."""
+def make_tiny(out_dir: str | Path, seed: int = 0, mtp: bool = False, **overrides) -> Path:
+    """Write a tiny DeepSeek-V4 checkpoint saved by transformers (float32) plus a tokenizer; with ``mtp``,
+    plus one MTP layer in DeepSeek's release layout (``add_mtp_layer``)."""
     from ascend_adapters.common.tokenizer import write_tokenizer
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model = build_tiny_model(seed, **overrides)
     model.save_pretrained(out, safe_serialization=True)
+    if mtp:
+        add_mtp_layer(out, seed, **overrides)
     write_tokenizer(out, vocab_size=model.config.vocab_size)
     # generation_config.json from transformers may carry sampling defaults; keep greedy-neutral.
     gen = out / "generation_config.json"
@@ -142,6 +147,47 @@ def make_tiny(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
         data = json.loads(gen.read_text())
         data.pop("temperature", None)
         gen.write_text(json.dumps(data, indent=2))
+    return out
+
+
+def add_mtp_layer(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Append DeepSeek-V4's MTP layer (``mtp.0.*``, DeepSeek's native names, as the release ships it) to a
+    transformers-saved tiny checkpoint and set ``num_nextn_predict_layers`` 1. The decoder-layer tensors
+    are those transformers writes for an extra layer of the given type; ``e_proj``/``h_proj``
+    ([hidden, hidden]), ``enorm``/``hnorm``/``norm`` and the hc head (``hc_head_fn/base/scale``, float32)
+    are drawn from their own generator, so the main model's tensors are unchanged."""
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+
+    out = Path(out_dir)
+    c = {**TINY_CONFIG, **overrides}
+    n, h, hc = c["num_hidden_layers"], c["hidden_size"], c["hc_mult"]
+    extra = build_tiny_model(
+        seed + 100,
+        **overrides,
+        num_hidden_layers=n + 1,
+        layer_types=list(c["layer_types"]) + [MTP_LAYER_TYPE],
+        mlp_layer_types=list(c["mlp_layer_types"]) + [MTP_MLP_TYPE],
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        extra.save_pretrained(tmp, safe_serialization=True)
+        saved = load_file(str(Path(tmp) / "model.safetensors"))
+    tensors = load_file(str(out / "model.safetensors"))
+    layer = f"model.layers.{n}."
+    tensors.update({"mtp.0." + k[len(layer) :]: v.contiguous() for k, v in saved.items() if k.startswith(layer)})
+    g = torch.Generator().manual_seed(seed + 101)
+    tensors["mtp.0.e_proj.weight"] = torch.randn(h, h, generator=g) * h**-0.5
+    tensors["mtp.0.h_proj.weight"] = torch.randn(h, h, generator=g) * h**-0.5
+    for norm in ("enorm", "hnorm", "norm"):
+        tensors[f"mtp.0.{norm}.weight"] = 1.0 + 0.2 * torch.randn(h, generator=g)
+    tensors["mtp.0.hc_head_fn"] = torch.randn(hc, hc * h, generator=g) * 0.1
+    tensors["mtp.0.hc_head_base"] = torch.randn(hc, generator=g) * 0.5
+    tensors["mtp.0.hc_head_scale"] = 1.0 + torch.rand(1, generator=g)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
 
 

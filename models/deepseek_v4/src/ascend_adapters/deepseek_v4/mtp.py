@@ -1,0 +1,193 @@
+"""DeepSeek-V4's multi-token-prediction layer as vLLM's MTP drafter (``--speculative-config '{"method": "mtp"}'``).
+
+DeepSeek-V4 releases carry one MTP layer, ``mtp.0.*`` in DeepSeek's native names: a decoder layer
+(attention with its own state, MoE, the two hyper-connection mixes) plus ``enorm``, ``hnorm``,
+``e_proj``, ``h_proj``, its own hyper-connection head (``hc_head_fn/base/scale``) and ``norm``. At
+position ``i`` it takes the target's residual streams ``S_i`` (``[hc_mult, hidden]``, before the
+target's hc head) and the embedding of token ``i + 1``:
+
+    X_i = h_proj(hnorm(S_i)) + e_proj(enorm(embed(t_{i+1})))    (the embedding term added to every stream)
+    S'  = layer(X)
+    logits = head(norm(hc_head(S')))
+
+``S'`` (flattened to ``[tokens, hc_mult * hidden]``) is the hidden state of the next draft step, which
+reuses the same layer. vLLM's proposer drives it: it reads the target's streams through
+``DeepseekV4ForCausalLM.get_mtp_target_hidden_states`` (and widens its buffer to ``hc_mult * hidden``
+when the draft config has ``compress_ratios`` and ``hc_mult``), installs the target's embedding and
+head, gives the layer's attention a state page of its own and builds its metadata with the layer's
+backend. The embedding at position 0 is zeroed.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from vllm.compilation.decorators import support_torch_compile
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import ReplicatedLinear
+from vllm.model_executor.layers.logits_processor import LogitsProcessor
+from vllm.model_executor.models.utils import maybe_prefix
+
+from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
+from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE
+from ascend_adapters.deepseek_v4.mhc import hc_ops
+from ascend_adapters.deepseek_v4.model import DeepseekV4DecoderLayer
+from ascend_adapters.deepseek_v4.remap import (
+    EXPERT_DOWN,
+    EXPERT_GATE,
+    EXPERT_UP,
+    STACKED_PARAMS,
+    mtp_skip_rules,
+    mtp_weights_mapper,
+)
+
+
+def draft_config(vllm_config: VllmConfig):
+    """The draft's config, with the MTP layers' attention and MoE types appended to the per-layer lists
+    (the layer classes read their type by layer id)."""
+    spec = vllm_config.speculative_config
+    base = (
+        spec.draft_model_config.hf_config
+        if spec is not None and spec.draft_model_config
+        else (vllm_config.model_config.hf_config)
+    )
+    config = copy.copy(base)
+    n = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+    config.layer_types = list(base.layer_types)[: base.num_hidden_layers] + [MTP_LAYER_TYPE] * n
+    config.mlp_layer_types = list(base.mlp_layer_types)[: base.num_hidden_layers] + [MTP_MLP_TYPE] * n
+    return config
+
+
+class DeepseekV4SharedHead(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.head = None  # the target's lm_head, installed by vLLM's proposer
+
+
+class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
+    def __init__(self, vllm_config: VllmConfig, config, layer_idx: int, prefix: str):
+        super().__init__(config, layer_idx, vllm_config.quant_config, prefix)
+        h, n = config.hidden_size, config.hc_mult
+        self.config = config
+        self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.e_proj = ReplicatedLinear(
+            h, h, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.e_proj"
+        )
+        self.h_proj = ReplicatedLinear(
+            h, h, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.h_proj"
+        )
+        self.hc_head = nn.Module()
+        self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * h, dtype=torch.float32), requires_grad=False)
+        self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
+        self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
+        self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
+        self.shared_head = DeepseekV4SharedHead(config)
+
+    def predict(self, input_ids, positions, inputs_embeds, previous_streams):
+        h = self.config.hidden_size
+        streams = previous_streams.view(-1, self.config.hc_mult, h)
+        inputs_embeds = torch.where(positions[:, None] == 0, 0, inputs_embeds)
+        x = self.h_proj(self.hnorm(streams))[0] + self.e_proj(self.enorm(inputs_embeds))[0].unsqueeze(1)
+        return self(x, positions, input_ids).flatten(1)
+
+    def head_hidden(self, streams):
+        streams = streams.view(-1, self.config.hc_mult, self.config.hidden_size)
+        h = self.hc_head_op(
+            streams,
+            self.hc_head.hc_fn,
+            self.hc_head.hc_base,
+            self.hc_head.hc_scale,
+            hc_eps=self.config.hc_eps,
+            norm_eps=self.config.rms_norm_eps,
+        )
+        return self.shared_head.norm(h)
+
+
+class DeepseekV4MultiTokenPredictor(nn.Module):
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        config = draft_config(vllm_config)
+        self.config = config
+        self.mtp_start_layer_idx = config.num_hidden_layers
+        self.num_mtp_layers = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
+        if self.num_mtp_layers < 1:
+            raise ValueError(
+                "DeepSeek-V4: config.json num_nextn_predict_layers is 0 or missing: this checkpoint has no MTP "
+                "layer to draft with; serve without --speculative-config"
+            )
+        self.embed_tokens = None  # the target's, installed by vLLM's proposer
+        ids = range(self.mtp_start_layer_idx, self.mtp_start_layer_idx + self.num_mtp_layers)
+        self.layers = nn.ModuleDict(
+            {str(i): DeepseekV4MTPLayer(vllm_config, config, i, prefix=f"{prefix}.layers.{i}") for i in ids}
+        )
+        self.expert_mapping = fused_moe_make_expert_params_mapping(
+            self,
+            ckpt_gate_proj_name=EXPERT_GATE,
+            ckpt_down_proj_name=EXPERT_DOWN,
+            ckpt_up_proj_name=EXPERT_UP,
+            num_experts=config.n_routed_experts,
+        )
+
+    def layer(self, spec_step_idx: int) -> DeepseekV4MTPLayer:
+        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_module_tensors(
+            self,
+            weights,
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.expert_mapping,
+            num_experts=self.config.n_routed_experts,
+        )
+
+
+@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "inputs_embeds": 0})
+class DeepseekV4MTP(nn.Module):
+    """vLLM's MTP drafter for ``DeepseekV4ForCausalLM`` checkpoints (see the module doc)."""
+
+    packed_modules_mapping = {"wqkv_a": ["q_a_proj", "kv_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+
+    def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
+        super().__init__()
+        self.model = DeepseekV4MultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
+        self.config = self.model.config
+        self.logits_processor = LogitsProcessor(self.config.vocab_size)
+
+    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        intermediate_tensors=None,
+        inputs_embeds: torch.Tensor | None = None,
+        spec_step_idx: int = 0,
+    ) -> torch.Tensor:
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+        return self.model.layer(spec_step_idx).predict(input_ids, positions, inputs_embeds, hidden_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
+        layer = self.model.layer(spec_step_idx)
+        return self.logits_processor(layer.shared_head.head, layer.head_hidden(hidden_states))
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        return load_checkpoint(
+            self,
+            weights,
+            what="DeepSeek-V4 MTP",
+            mapper=mtp_weights_mapper(self.config),
+            skips=mtp_skip_rules(self.config),
+            stacked_params=STACKED_PARAMS,
+            expert_mapping=self.model.expert_mapping,
+            required_buffers=lambda name: False,
+        )

@@ -1,0 +1,278 @@
+"""DeepSeek-V4 drafts with its own MTP layer through vLLM's speculative decoding (``method: mtp``).
+
+In process (no engine): the start-up policy routes the draft model to the adapter's drafter on the names
+each engine gives it, refuses what it cannot serve; the drafter loads exactly its MTP layer
+(``mtp.0.*`` in DeepSeek's names) from a checkpoint in the release layout and refuses one that lost a
+tensor, naming it.
+"""
+
+from __future__ import annotations
+
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny
+
+
+def _mtp_config(architectures, num_nextn_predict_layers=1, pp=1):
+    hf = SimpleNamespace(
+        architectures=list(architectures),
+        num_nextn_predict_layers=num_nextn_predict_layers,
+        layer_types=list(TINY_CONFIG["layer_types"]),
+        compress_rates=dict(TINY_CONFIG["compress_rates"]),
+    )
+    draft = SimpleNamespace(hf_config=hf, hf_text_config=hf)
+    spec = SimpleNamespace(method="mtp", draft_model_config=draft, arch_updates=[])
+    spec.update_arch_ = lambda: spec.arch_updates.append(list(hf.architectures))
+    return SimpleNamespace(speculative_config=spec, parallel_config=SimpleNamespace(pipeline_parallel_size=pp))
+
+
+@pytest.mark.parametrize("engine_name", ["DeepSeekV4MTPModel", "DeepSeekMTPModel"])
+def test_mtp_draft_is_routed_to_the_adapters_drafter(engine_name):
+    """vLLM names the draft of a deepseek_v4 target DeepSeekV4MTPModel (its config parser applies the
+    override twice on this adapter's config, so the second pass names DeepSeekMTPModel); the policy points
+    it at the adapter's drafter, puts compress_ratios back (vLLM's proposer widens its hidden buffer to
+    hc_mult streams only when the draft config has it) and tells vLLM."""
+    from ascend_adapters.deepseek_v4 import DRAFT_ARCHITECTURES
+    from ascend_adapters.deepseek_v4.policy import route_mtp_draft
+
+    cfg = _mtp_config([engine_name])
+    route_mtp_draft(cfg)
+    assert cfg.speculative_config.arch_updates == [list(DRAFT_ARCHITECTURES)]
+    assert cfg.speculative_config.draft_model_config.hf_config.compress_ratios == [0, 4, 16, 4]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"architectures": ["SomeOtherMTPModel"]}, r"names the MTP draft \['SomeOtherMTPModel'\]"),
+        ({"architectures": ["DeepSeekV4MTPModel"], "num_nextn_predict_layers": 0}, "num_nextn_predict_layers is 0"),
+        ({"architectures": ["DeepSeekV4MTPModel"], "pp": 2}, "pipeline_parallel_size=2 is not served"),
+    ],
+    ids=["unknown-engine-draft", "no-mtp-layer", "pipeline-parallel"],
+)
+def test_mtp_refusals_name_the_reason(kwargs, message):
+    from ascend_adapters.deepseek_v4.policy import route_mtp_draft
+
+    with pytest.raises(ValueError, match=message):
+        route_mtp_draft(_mtp_config(**kwargs))
+
+
+def test_speculative_methods_other_than_mtp_are_refused_in_one_line(tmp_path):
+    from ascend_adapters.deepseek_v4.policy import check_startup
+
+    spec = SimpleNamespace(method="ngram", num_speculative_tokens=3)
+    hf = make_tiny(tmp_path / "tiny")
+    from ascend_adapters.deepseek_v4.config import load_transformers_config
+
+    mc = SimpleNamespace(hf_config=load_transformers_config(hf), model=str(hf), max_model_len=64, quantization=None)
+    cfg = SimpleNamespace(
+        speculative_config=spec, model_config=mc, cache_config=SimpleNamespace(enable_prefix_caching=False)
+    )
+    with pytest.raises(ValueError, match=r"speculative decoding method 'ngram' is not served .*served: mtp"):
+        check_startup(cfg)
+
+
+@pytest.fixture(scope="module")
+def drafter_case(tmp_path_factory):
+    """The drafter (``mtp.DeepseekV4MTP``) built for the tiny checkpoint with its MTP layer, and the
+    checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.deepseek_v4.mtp import DeepseekV4MTP
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.parity import DEFAULT_LLM_KWARGS
+
+    register()
+    ckpt = make_tiny(tmp_path_factory.mktemp("dsv4_drafter") / "tiny", seed=4, mtp=True)
+    kwargs = {
+        **DEFAULT_LLM_KWARGS,
+        "max_model_len": 64,
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+    }
+    vllm_config = EngineArgs(model=str(ckpt), **kwargs).create_engine_config()
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        ensure_single_rank_parallel_state()
+        drafter = DeepseekV4MTP(vllm_config=vllm_config)
+    return drafter, dict(sorted(load_file(str(ckpt / "model.safetensors")).items()))
+
+
+def test_drafter_loads_its_layer_and_skips_the_rest(drafter_case):
+    drafter, tensors = drafter_case
+    loaded = drafter.load_weights(tensors.items())
+    assert loaded == set(dict(drafter.named_parameters()))
+    assert all(n.startswith("model.layers.4.") for n in loaded)
+    assert "owns only its MTP layers" in drafter.skipped_weights["model.layers.0.attn.wq_a.weight"]
+
+
+@pytest.mark.parametrize(
+    "name, param",
+    [
+        ("mtp.0.e_proj.weight", "model.layers.4.e_proj.weight"),
+        ("mtp.0.hnorm.weight", "model.layers.4.hnorm.weight"),
+        ("mtp.0.hc_head_fn", "model.layers.4.hc_head.hc_fn"),
+        ("mtp.0.norm.weight", "model.layers.4.shared_head.norm.weight"),
+        ("mtp.0.attn.wkv.weight", "kv_proj"),
+    ],
+)
+def test_drafter_missing_mtp_tensor_is_an_error_naming_it(drafter_case, name, param):
+    """An export whose MTP layer lost a tensor does not serve a half-loaded drafter."""
+    drafter, tensors = drafter_case
+    with pytest.raises(Exception, match=rf"DeepSeek-V4 MTP checkpoint lacks 1 .*{re.escape(param)}"):
+        drafter.load_weights([(n, t) for n, t in tensors.items() if n != name])
+
+
+# -- the drafter against the independent reference ---------------------------------------------------
+
+TOL = 1e-3  # the eager parity gate's bound (test_deepseek_v4_parity.TOL)
+
+
+@pytest.fixture(scope="module")
+def inprocess_drafter(tmp_path_factory):
+    from _dsv4_mtp_ref import MtpReference
+    from safetensors.torch import load_file
+    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+
+    from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.deepseek_v4.mtp import DeepseekV4MTP
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+    ckpt = make_tiny(tmp_path_factory.mktemp("dsv4_mtp_ref") / "tiny", seed=4, mtp=True)
+    register()
+    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=128, skip_tokenizer_init=True)
+    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
+    weights = load_file(str(ckpt / "model.safetensors"))
+    with set_current_vllm_config(cfg):
+        ensure_single_rank_parallel_state()
+        target = initialize_model(cfg)
+        target.load_weights(iter(weights.items()))
+        process_weights_after_loading(target, mc, torch.device("cpu"))
+        drafter = DeepseekV4MTP(vllm_config=cfg)
+        drafter.load_weights(iter(weights.items()))
+        process_weights_after_loading(drafter, mc, torch.device("cpu"))
+    # what vLLM's proposer does after loading the drafter
+    drafter.model.embed_tokens = target.model.embed_tokens
+    for layer in drafter.model.layers.values():
+        layer.shared_head.head = target.lm_head
+        attn = layer.self_attn
+        attn.kv_cache = tuple(
+            torch.zeros(2, *s, dtype=d) for s, d in zip(attn.get_state_shape(), attn.get_state_dtype())
+        )
+    return cfg, drafter, MtpReference(ckpt)
+
+
+def _metadata(query_len: int, seq_len: int):
+    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+
+    decode = query_len == 1
+    return LinearAttentionMetadata(
+        num_prefills=0 if decode else 1,
+        num_prefill_tokens=0 if decode else query_len,
+        num_decodes=1 if decode else 0,
+        num_decode_tokens=1 if decode else 0,
+        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32),
+        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
+        state_indices_tensor=torch.tensor([1], dtype=torch.int32),
+    )
+
+
+@pytest.mark.vllm
+def test_drafter_logits_equal_the_mtp_reference(inprocess_drafter):
+    """A prefill of 40 positions (beyond the window of 16: the MTP layer attends over its own window),
+    then one decode step; the drafter is fed the target's streams from transformers."""
+    from _dsv4_cases import prompts
+    from vllm.forward_context import set_forward_context
+
+    cfg, drafter, ref = inprocess_drafter
+    (layer,) = drafter.model.layers.values()
+    ids = prompts([42], seed=5)[0]
+    streams = ref.streams(ids)  # [42, hc, h]
+    want = ref(ids, streams)  # [41, V]: row i predicts token i + 2
+    flat = streams.flatten(1)
+    m = 40
+    names = [layer.self_attn.prefix]
+    with torch.inference_mode():
+        with set_forward_context({n: _metadata(m, m) for n in names}, cfg, num_tokens=m):
+            prefill = drafter.compute_logits(drafter.forward(torch.tensor(ids[1 : m + 1]), torch.arange(m), flat[:m]))
+        with set_forward_context({n: _metadata(1, m + 1) for n in names}, cfg, num_tokens=1):
+            out = drafter.forward(torch.tensor([ids[m + 1]]), torch.tensor([m]), flat[m : m + 1])
+        decode = drafter.compute_logits(out)
+    got = torch.cat([prefill, decode])
+    diff = float((got - want[: m + 1]).abs().max())
+    assert diff < TOL, diff
+    assert got.argmax(-1).tolist() == want[: m + 1].argmax(-1).tolist()
+
+
+# -- served ----------------------------------------------------------------------------------------
+
+DRAFTS = 2
+LENGTHS = (7, 16, 61, 150)  # window 16; CSA rate 4 with indexer top-k, HCA rate 16
+MAX_TOKENS = 12
+LLM_KWARGS = {
+    "dtype": "float32",
+    "enforce_eager": False,
+    "max_model_len": 256,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "speculative_config": {"method": "mtp", "num_speculative_tokens": DRAFTS},
+}
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_mtp_served_parity(tmp_path_factory, evidence_root):
+    """Served compiled with 2 drafts from the (random) MTP layer: four prompts batched with chunked prefill,
+    then the longest and the shortest alone. The target's logits at every generated step match transformers
+    within the parity bound and its greedy tokens are transformers' (so those of decoding without MTP);
+    vLLM's counters show drafts proposed and rejected, so the rings' rollback slack is exercised (with no
+    slack the tokens differ: seen by hand on all three engines)."""
+    import time
+
+    from _dsv4_cases import hf_model, prompts, reference_fn
+
+    from ascend_adapters.common.evidence import EvidenceRecord
+    from ascend_adapters.testing.engine_worker import engine_run
+
+    rec = EvidenceRecord(model="deepseek_v4", gate="mtp_parity", started=time.time())
+    ckpt = make_tiny(tmp_path_factory.mktemp("dsv4_mtp") / "tiny", seed=4, mtp=True)
+    ref = reference_fn(hf_model(ckpt))
+    ps = prompts(LENGTHS, seed=11)
+    batches = engine_run(ckpt, [ps, [ps[-1]], [ps[0]]], MAX_TOKENS, LLM_KWARGS)
+    rec.command(f"vllm.LLM(<tiny with mtp.0.*>, {LLM_KWARGS}): 4 prompts batched, then 2 alone; transformers reference")
+    worst, identical = 0.0, True
+    for batch in batches:
+        for row in batch["rows"]:
+            t = len(row["prompt_ids"])
+            want = ref(row["prompt_ids"] + row["gen_ids"][:-1])[t - 1 :]
+            vocab = min(want.shape[-1], row["logits"].shape[-1])
+            worst = max(worst, float((row["logits"][:, :vocab] - want[:, :vocab]).abs().max()))
+            identical &= row["gen_ids"] == want[:, :vocab].argmax(-1).tolist()
+    c = {
+        k: sum(b["counters"].get(k, 0) for b in batches)
+        for k in batches[0]["counters"]
+        if not isinstance(batches[0]["counters"][k], list)
+    }
+    rec.metric("max_abs_logit_diff", worst)
+    rec.metric("spec_decode_counters", c)
+    ok = rec.check(f"target logits within {TOL} of transformers (batched, chunked, alone)", worst < TOL)
+    ok &= rec.check("greedy tokens are transformers' greedy tokens", identical)
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    same &= batches[0]["rows"][0]["gen_ids"] == batches[2]["rows"][0]["gen_ids"]
+    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
+    ok &= rec.check("drafts proposed", c.get("vllm:spec_decode_num_drafts", 0) > 0, c)
+    ok &= rec.check(
+        "drafts rejected (the rollback path ran)",
+        c.get("vllm:spec_decode_num_accepted_tokens", 0) < c.get("vllm:spec_decode_num_draft_tokens", 0),
+        c,
+    )
+    rec.write(evidence_root)
+    assert ok, rec.checks
