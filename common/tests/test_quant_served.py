@@ -21,7 +21,7 @@ from ascend_adapters.testing.modelslim import (  # noqa: E402
     msmodelslim_executable,
     patch_linears,
 )
-from ascend_adapters.testing.parity import compare, vllm_logits  # noqa: E402
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits  # noqa: E402
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
 
@@ -232,11 +232,8 @@ def test_vllm_serve_autoselects_modelslim(exports, evidence_root):
 def test_static_export_tensor_parallel_2(exports, evidence_root):
     """TP=2: column-parallel scales/quant_bias are sharded, and in row-parallel layers (o_proj, down_proj,
     whose quant_bias folds a non-zero input_offset) only rank 0 adds quant_bias."""
-    import os
 
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        pytest.skip("tensor parallelism 2 needs two CPUs")
+    env = two_rank_cpu_bind("tensor parallelism 2")
     export = exports["static"]
     prompts = _prompts()[:2]
     rec = EvidenceRecord(model="common-quant", gate="modelslim-w8a8-static-tiny-llama-tp2")
@@ -246,7 +243,7 @@ def test_static_export_tensor_parallel_2(exports, evidence_root):
         [prompts],
         max_tokens=4,
         llm_kwargs={"quantization": "modelslim", "tensor_parallel_size": 2, "distributed_executor_backend": "mp"},
-        env={"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"},
+        env=env,
     )
     rep = compare(results, _reference(patch_linears(_hf_model(export), export)))
     ok = rec.check(

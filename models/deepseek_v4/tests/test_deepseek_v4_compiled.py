@@ -18,7 +18,6 @@ asserts that too, so the declaration changes with the code that justifies it.
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -28,7 +27,7 @@ from _dsv4_cases import hf_model, prompts, reference_fn
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.capture import PROBE, HostReads, compiled
-from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # the eager parity gate's bound (test_deepseek_v4_parity.TOL); inductor only reorders float32 sums
 # (~1e-6 relative on logits of magnitude ~10)
@@ -83,12 +82,10 @@ def test_compiled_parity(tiny, evidence_root):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_compiled_tp2_parity(tiny, evidence_root):
-    cpus = sorted(os.sched_getaffinity(0))
-    if len(cpus) < 2:
-        pytest.skip("tensor parallelism 2 needs two CPUs")
+    env = two_rank_cpu_bind("tensor parallelism 2")
     rec = EvidenceRecord(model="deepseek_v4", gate="compiled_parity_tp2")
     kwargs = {**KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
-    ok = _serve_and_record(tiny, rec, kwargs, {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"})
+    ok = _serve_and_record(tiny, rec, kwargs, env)
     rec.write(evidence_root)
     assert ok, rec.checks
 

@@ -50,7 +50,7 @@ from _dsv4_cases import TINY_CONFIG, W8A8_PLAN, hf_model, prompts, reference_fn,
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.modelslim import export_w8a8
-from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 TOL = 1e-3
 LENGTHS = (7, 16, 61, 150)  # as the TP=1 gate: inside the window (16) and ~10x beyond it
@@ -60,10 +60,7 @@ EXPERTS_ONLY_PLAN = {"*.ffn.experts.*": "W8A8_DYNAMIC"}
 
 
 def _two_cpus() -> dict:
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        pytest.skip("two ranks need two CPUs")
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
+    return two_rank_cpu_bind("two ranks")
 
 
 def _parallel(**extra) -> dict:

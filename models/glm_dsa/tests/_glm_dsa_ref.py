@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
-import pytest
 import torch
 
 from ascend_adapters.glm_dsa.tiny import make_tiny
@@ -133,11 +131,3 @@ def step_metadata(query_lens: list[int], seq_lens: list[int], decode_query_max: 
         ]
     )
     return build(qsl, list(seq_lens), block_table, slots, 16, decode_query_max)
-
-
-def two_rank_cpu_bind(what: str) -> dict:
-    """``VLLM_CPU_OMP_THREADS_BIND`` for a two-rank engine, one CPU per rank; skips ``what`` with fewer CPUs."""
-    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
-    if len(cpus) < 2:
-        pytest.skip(f"{what} needs two CPUs")
-    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}

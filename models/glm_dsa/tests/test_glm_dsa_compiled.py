@@ -21,11 +21,11 @@ import time
 
 import pytest
 import torch
-from _glm_dsa_ref import Reference, build, random_prompts, step_metadata, two_rank_cpu_bind
+from _glm_dsa_ref import Reference, build, random_prompts, step_metadata
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import PROBE, HostReads, compiled
-from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # the eager parity gate's bound (test_glm_dsa_parity.TOL); inductor only reorders float32 sums
 # (~1e-6 relative on logits of magnitude ~10)

@@ -36,11 +36,12 @@ from pathlib import Path
 import pytest
 import torch
 from _glm_dsa_mtp_ref import MtpReference
-from _glm_dsa_ref import Reference, add_released_extras, build, random_prompts, step_metadata, two_rank_cpu_bind
+from _glm_dsa_ref import Reference, add_released_extras, build, random_prompts, step_metadata
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import HostReads
 from ascend_adapters.testing.engine_worker import engine_run as run_engine
+from ascend_adapters.testing.parity import two_rank_cpu_bind
 
 DRAFTS = 3
 MTP = {"method": "mtp", "num_speculative_tokens": DRAFTS}

@@ -13,11 +13,11 @@ chunked prefill (32 tokens per step), in one engine start.
 from __future__ import annotations
 
 import pytest
-from _glm_dsa_ref import Reference, build, random_prompts, two_rank_cpu_bind
+from _glm_dsa_ref import Reference, build, random_prompts
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.glm_dsa.tiny import TINY_CONFIG
-from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # float32: a pipeline split moves no arithmetic (each layer runs whole on one stage; the stages hand over
 # hidden states, residual and selection unchanged), so the single-process parity bound applies unchanged

@@ -13,11 +13,11 @@ experts run common's MoE kernel; the float path under EP is not tested (docs/mod
 from __future__ import annotations
 
 import pytest
-from _glm_dsa_ref import Reference, build, random_prompts, two_rank_cpu_bind
+from _glm_dsa_ref import Reference, build, random_prompts
 from _glm_dsa_w8a8 import make_export, quantized_reference
 
 from ascend_adapters.common.evidence import EvidenceRecord
-from ascend_adapters.testing.parity import compare, vllm_logits
+from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # float32: TP=2 only regroups sums (two partial o_proj/down_proj sums then an all-reduce), ~1e-6 relative
 # on logits of magnitude ~10; the single-process parity bound (test_glm_dsa_parity.TOL) applies unchanged.

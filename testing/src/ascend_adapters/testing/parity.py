@@ -155,3 +155,13 @@ def compare(results: Sequence[SeqLogits], reference: Callable[[list[int]], objec
             }
         )
     return ParityReport(worst, first is None, first, per_seq)
+
+
+def two_rank_cpu_bind(what: str) -> dict:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for a two-rank engine, one CPU per rank; skips ``what`` with fewer CPUs."""
+    import pytest
+
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cpus) < 2:
+        pytest.skip(f"{what} needs two CPUs")
+    return {"VLLM_CPU_OMP_THREADS_BIND": f"{cpus[0]}|{cpus[1]}"}
