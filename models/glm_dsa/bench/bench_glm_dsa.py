@@ -180,10 +180,9 @@ def worker(spec_path: str) -> int:
         best, ids, counters = best_of(prompts, job["gen"], job.get("repeat", 2))
         ntok = sum(len(t) for t in ids)
         result = {**job, "seconds": best, "generated_tokens": ntok, "tokens_per_s": ntok / best, "ids": ids}
-        if job.get("decode_by_difference"):
-            # the same prompts for one token: the prefill and per-request overhead, taken off the time
-            first, _, _ = best_of(prompts, 1, job.get("repeat", 2))
-            result["decode_tokens_per_s"] = (ntok - len(ids)) / (best - first)
+        # the same prompts for one token: the prefill and per-request overhead, taken off the time
+        first, _, _ = best_of(prompts, 1, job.get("repeat", 2))
+        result["decode_tokens_per_s"] = (ntok - len(ids)) / (best - first)
         if speculative:
             result["spec_decode_counters"] = counters
         results.append(result)
@@ -233,10 +232,7 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
         "sparse": make_tiny(tmp / "sparse", index_topk=32, tokenizer=False),  # contexts 96..128 > 32
         "dense": make_tiny(tmp / "dense", index_topk=mml, tokenizer=False),  # max_model_len <= index_topk
     }
-    jobs = [
-        {"name": f"b{b}", "batch": b, "prompt_len": prompt_len, "gen": gen, "seed": 3, "decode_by_difference": True}
-        for b in (1, 8)
-    ]
+    jobs = [{"name": f"b{b}", "batch": b, "prompt_len": prompt_len, "gen": gen, "seed": 3} for b in (1, 8)]
     out = {}
     for mode, ckpt in ckpts.items():
         if quick and mode == "dense":
@@ -310,7 +306,6 @@ def mtp_bench(tmp: Path, gen: int) -> dict:
             "prompt_len": 32,
             "gen": gen,
             "seed": 5,
-            "decode_by_difference": True,
             "repeat": 3,
         }
         for b in (1, 8)

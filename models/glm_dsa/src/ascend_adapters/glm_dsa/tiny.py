@@ -152,12 +152,23 @@ def fit_mtp(
     next, and write it back in place. The data are the model's greedy continuations of random prompts
     (``sequences`` of ``prompt_len`` + ``gen_len`` tokens); the loss is cross-entropy on the generated
     tokens; the embedding and head stay the model's. Returns the final training loss and the top-1 accuracy
-    on an eighth of the sequences held out of the fit."""
+    on an eighth of the sequences held out of the fit. Runs on one torch thread, so the fitted weights do
+    not depend on the caller's thread count (the tests' and the bench's checkpoints are the same)."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _fit_mtp(Path(ckpt), sequences, prompt_len, gen_len, steps, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit_mtp(ckpt: Path, sequences: int, prompt_len: int, gen_len: int, steps: int, lr: float, seed: int) -> dict:
     import torch
     from safetensors.torch import load_file, save_file
     from transformers import GlmMoeDsaForCausalLM
 
-    ckpt = Path(ckpt)
     cfg = json.loads((ckpt / "config.json").read_text())
     n = cfg["num_hidden_layers"]
     prefix = f"model.layers.{n}."
