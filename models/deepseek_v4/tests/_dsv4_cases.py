@@ -75,7 +75,7 @@ def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
     )
     g = torch.Generator().manual_seed(0)
     out["mtp.0.enorm.weight"] = torch.ones(TINY_CONFIG["hidden_size"])
-    out["mtp.0.e_proj.weight"] = torch.randn(TINY_CONFIG["hidden_size"], 2 * TINY_CONFIG["hidden_size"], generator=g)
+    out["mtp.0.e_proj.weight"] = torch.randn(TINY_CONFIG["hidden_size"], TINY_CONFIG["hidden_size"], generator=g)
     out["mtp.0.attn.wq_a.weight"] = torch.randn(64, TINY_CONFIG["hidden_size"], generator=g)
     save_file(out, str(native / "model.safetensors"), metadata={"format": "pt"})
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):

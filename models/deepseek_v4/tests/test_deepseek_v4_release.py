@@ -91,7 +91,7 @@ def _reference_dir(release, hf_dir, out):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_official_release_layout_served_as_published(tmp_path, evidence_root):
-    hf_dir = make_tiny(tmp_path / "hf", seed=6, compress_rates=HCA128)
+    hf_dir = make_tiny(tmp_path / "hf", seed=6, mtp=True, compress_rates=HCA128)
     release = write_release(hf_dir, tmp_path / "release")
     ref_dir, n_fp8, n_fp4 = _reference_dir(release, hf_dir, tmp_path / "reference")
     cfg = json.loads((release / "config.json").read_text())

@@ -34,7 +34,8 @@ from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models.utils import maybe_prefix
 
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
-from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE
+from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE, RELEASE_QUANT_ATTR
+from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.mhc import hc_ops
 from ascend_adapters.deepseek_v4.model import DeepseekV4DecoderLayer
 from ascend_adapters.deepseek_v4.remap import (
@@ -181,6 +182,9 @@ class DeepseekV4MTP(nn.Module):
         return self.logits_processor(layer.shared_head.head, layer.head_hidden(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        release = getattr(self.config, RELEASE_QUANT_ATTR, None)
+        if release is not None:  # DeepSeek's FP8/FP4 release: float weights from here on
+            weights = dequantize_release(weights, tuple(release["weight_block_size"]))
         return load_checkpoint(
             self,
             weights,

@@ -194,7 +194,9 @@ def add_mtp_layer(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
 # ---------------------------------------------------------------- DeepSeek's own release layout
 _NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 # FP8 e4m3 block-scaled in the release: attention linears (indexer query included) and the shared expert.
-RELEASE_FP8 = re.compile(r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$")
+RELEASE_FP8 = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$|^mtp\.\d+\.[eh]_proj\.weight$"
+)
 RELEASE_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 # BF16 without a scale: compressor / indexer-compressor projections and the indexer's weights_proj.
 RELEASE_BF16_PROJ = re.compile(r"\.compressor\.(wkv|wgate)\.weight$|\.indexer\.weights_proj\.weight$")
@@ -214,8 +216,9 @@ def native_name(saved: str) -> str:
     }.get(n, n)
 
 
-def native_config(overrides: dict | None = None) -> dict:
-    """DeepSeek's own config.json keys for the tiny architecture (HCA rate 128, as DeepSeek can express)."""
+def native_config(overrides: dict | None = None, mtp: bool = True) -> dict:
+    """DeepSeek's own config.json keys for the tiny architecture (HCA rate 128, as DeepSeek can express);
+    with ``mtp``, the MTP layer's entry after the main layers' compress ratios."""
     c = TINY_CONFIG
     cfg = {
         "architectures": ["DeepseekV4ForCausalLM"],
@@ -231,9 +234,10 @@ def native_config(overrides: dict | None = None) -> dict:
         "scoring_func": "sqrtsoftplus",
         "topk_method": "noaux_tc",
         "num_hash_layers": sum(t == "hash_moe" for t in c["mlp_layer_types"]),
-        "compress_ratios": [_NATIVE_RATIO[t] for t in c["layer_types"]] + [0],  # + the MTP layer
+        "compress_ratios": [_NATIVE_RATIO[t] for t in c["layer_types"]]
+        + ([_NATIVE_RATIO[MTP_LAYER_TYPE]] if mtp else []),
         "rope_scaling": {"type": "yarn", **{k: v for k, v in c["rope_parameters"].items() if k != "rope_type"}},
-        "num_nextn_predict_layers": 1,
+        "num_nextn_predict_layers": int(mtp),
         "bos_token_id": 0,
         "eos_token_id": 1,
         "tie_word_embeddings": False,
@@ -276,9 +280,10 @@ def quantize_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.
 
 def write_release(src_dir: str | Path, out_dir: str | Path) -> Path:
     """DeepSeek's published layout from a transformers-saved tiny (HCA rate 128): native names, FP8
-    block-scaled attention / shared-expert linears, FP4 routed experts, BF16 compressor / indexer
-    projections, F32 mHC / sinks / ape / router bias, BF16 rest, ``mtp.0.*`` tensors (skipped by the
-    model), and a native config.json with the release's ``quantization_config``."""
+    block-scaled attention / shared-expert linears (and the MTP layer's ``e_proj``/``h_proj``), FP4 routed
+    experts, BF16 compressor / indexer projections, F32 mHC / sinks / ape / router bias, BF16 rest, the MTP
+    layer ``mtp.0.*`` when the source has one (``make_tiny(mtp=True)``), and a native config.json with the
+    release's ``quantization_config``."""
     from safetensors.torch import load_file, save_file
 
     src, out = Path(src_dir), Path(out_dir)
@@ -295,19 +300,13 @@ def write_release(src_dir: str | Path, out_dir: str | Path) -> Path:
             tensors[n] = t
         else:  # BF16: embed, head, norms, router weight, compressor / indexer projections
             tensors[n] = t.to(torch.bfloat16)
-    g = torch.Generator().manual_seed(0)
-    h = TINY_CONFIG["hidden_size"]
-    tensors["mtp.0.e_proj.weight"], tensors["mtp.0.e_proj.scale"] = quantize_fp8_block(
-        torch.randn(h, h, generator=g) * 0.05
-    )
-    tensors["mtp.0.enorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
-    tensors["mtp.0.hc_head_base"] = torch.zeros(TINY_CONFIG["hc_mult"])
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if (src / f).exists():
             (out / f).write_bytes((src / f).read_bytes())
     cfg = native_config(
-        {
+        mtp=any(n.startswith("mtp.") for n in tensors),
+        overrides={
             "quantization_config": {
                 "quant_method": "fp8",
                 "fmt": "e4m3",
@@ -315,7 +314,7 @@ def write_release(src_dir: str | Path, out_dir: str | Path) -> Path:
                 "activation_scheme": "dynamic",
                 "weight_block_size": [BLOCK, BLOCK],
             }
-        }
+        },
     )
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     return out
