@@ -183,7 +183,10 @@ def test_status_reports_what_each_adapter_class_serves():
     assert by_arch["DeepseekV4ForCausalLM"]["compiled_classes"] == ["DeepseekV4Model"]
     text = format_status(status())
     assert "pipeline parallelism: supported (SupportsPP)" in text
-    assert "speculative decoding: none (refused at start-up)" in text
+    for r in rows:
+        hook = importlib.import_module(r["target"].partition(":")[0].rsplit(".", 1)[0])
+        methods = ", ".join(hook.SPECULATIVE_METHODS) or "none (refused at start-up)"
+        assert f"speculative decoding: {methods}" in text, r["arch"]
     assert "graph mode: compiled by vLLM unless --enforce-eager (@support_torch_compile on GlmDsaModel)" in text
     from ascend_adapters.common.status import _graph_mode
 
