@@ -23,6 +23,13 @@ weights, native config) twice in the same run: with this adapter, and with vLLM'
 float32), and reports the tokens/s ratio, or why vLLM's own model
 cannot serve the checkpoint here (its error, one try).
 On this CPU path both models run the portable kernels; the numbers say nothing about an NPU.
+
+First (unless ``--skip-mtp``; ``--only-mtp`` runs only this part, record deepseek_v4/bench-deepseek_v4-mtp):
+MTP speculative decoding. A tiny checkpoint whose MTP layer was fitted to its own model
+(``tiny.make_mtp_fitted``) is served compiled with 2 MTP drafts and without: decode tokens/s at batch 1
+and 8, greedy tokens compared, and the acceptance rate per draft position from vLLM's counters (target
+in ``MTP_TARGETS``; ``test_deepseek_v4_mtp`` holds served acceptance to this record).
+The script exits non-zero when a check of a record it wrote failed.
 """
 
 from __future__ import annotations
@@ -46,12 +53,22 @@ def _prompt(n: int, seed: int) -> list[int]:
     return torch.randint(2, 512, (n,), generator=g).tolist()
 
 
-def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "float32", compiled: bool = False) -> None:
+def worker(
+    model_dir: str,
+    prompt_len: int,
+    gen: int,
+    out: str,
+    dtype: str = "float32",
+    compiled: bool = False,
+    mtp_drafts: int = 0,
+) -> None:
     from vllm import LLM, SamplingParams
 
     from ascend_adapters.deepseek_v4.model import resident_weight_bytes
+    from ascend_adapters.testing.engine_worker import counters, delta
 
     started = time.perf_counter()
+    spec = {"speculative_config": {"method": "mtp", "num_speculative_tokens": mtp_drafts}} if mtp_drafts else {}
     llm = LLM(
         model=model_dir,
         dtype=dtype,
@@ -60,6 +77,8 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "fl
         kv_cache_memory_bytes=64 << 20,
         max_num_seqs=8,
         skip_tokenizer_init=True,
+        disable_log_stats=False,
+        **spec,
     )
 
     res = {"startup_s": time.perf_counter() - started, "weight_bytes": llm.apply_model(resident_weight_bytes)[0]}
@@ -67,12 +86,16 @@ def worker(model_dir: str, prompt_len: int, gen: int, out: str, dtype: str = "fl
     llm.generate([{"prompt_token_ids": _prompt(prompt_len, 0)}], params, use_tqdm=False)  # warm-up
     for batch in (1, 8):
         reqs = [{"prompt_token_ids": _prompt(prompt_len, i)} for i in range(batch)]
+        before = counters(llm)
         t = time.perf_counter()
         outs = llm.generate(reqs, params, use_tqdm=False)
         dt = time.perf_counter() - t
         n = sum(len(o.outputs[0].token_ids) for o in outs)
         res[f"tokens_per_s_batch{batch}"] = n / dt
         res[f"tokens_batch{batch}"] = n
+        res[f"ids_batch{batch}"] = [list(o.outputs[0].token_ids) for o in outs]
+        if mtp_drafts:
+            res[f"spec_decode_counters_batch{batch}"] = delta(before, counters(llm))
     Path(out).write_text(json.dumps(res))
 
 
@@ -83,6 +106,7 @@ def run_engine(
     extra_env: dict | None = None,
     dtype: str = "float32",
     compiled: bool = False,
+    mtp_drafts: int = 0,
 ) -> dict:
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         out = f.name
@@ -96,6 +120,7 @@ def run_engine(
     }
     cmd = [sys.executable, __file__, "--worker", str(model_dir), str(prompt_len), str(gen), out, "--dtype", dtype]
     cmd += ["--compiled"] if compiled else []
+    cmd += ["--mtp-drafts", str(mtp_drafts)] if mtp_drafts else []
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise RuntimeError(
@@ -159,20 +184,75 @@ def _per_token_s(r: dict, batch: int) -> float:
     return 1.0 / r[f"tokens_per_s_batch{batch}"]
 
 
+# Speculation is for latency-bound decode: at batch 1, decode with the fitted MTP drafter must not be
+# slower than without it. Batch 8 is measured without a target: a step then verifies 8 x (1 + k) tokens,
+# and on this CPU the tiny model's step time grows with its tokens.
+MTP_TARGETS = {1: 1.0}
+MTP_DRAFTS = 2  # as the served MTP gate (test_deepseek_v4_mtp.DRAFTS), so its floor reads both positions
+
+
+def mtp_bench(run: BenchRun, prompt_len: int, gen: int) -> dict:
+    """The MTP-fitted checkpoint (``tiny.make_mtp_fitted``) served compiled with and without MTP
+    (``MTP_DRAFTS`` drafts), one engine after the other: decode tokens/s at batch 1 and 8, greedy tokens
+    compared, acceptance per draft position from vLLM's counters (``test_deepseek_v4_mtp`` holds served
+    acceptance to this record)."""
+    from ascend_adapters.deepseek_v4.tiny import make_mtp_fitted
+
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-mtp-") as tmp:
+        ckpt, fit = make_mtp_fitted(Path(tmp) / "fitted")
+        plain = run_engine(ckpt, prompt_len, gen, compiled=True)
+        mtp = run_engine(ckpt, prompt_len, gen, compiled=True, mtp_drafts=MTP_DRAFTS)
+    out = {
+        "fit": fit,
+        "drafts_per_step": MTP_DRAFTS,
+        "startup_s": {"mtp": mtp["startup_s"], "plain": plain["startup_s"]},
+    }
+    drafts, per_pos = 0, [0] * MTP_DRAFTS
+    for b in (1, 8):
+        c = mtp.pop(f"spec_decode_counters_batch{b}")
+        drafts += c["vllm:spec_decode_num_drafts"]
+        per_pos = [x + y for x, y in zip(per_pos, c["vllm:spec_decode_num_accepted_tokens_per_pos"])]
+        same = mtp.pop(f"ids_batch{b}") == plain.pop(f"ids_batch{b}")
+        ratio = run.ratio(f"mtp_vs_plain_decode_batch{b}", _per_token_s(mtp, b), _per_token_s(plain, b),
+                          "vLLM compiled without speculative decoding",
+                          ours_tokens_per_s=round(mtp[f"tokens_per_s_batch{b}"], 2),
+                          peer_tokens_per_s=round(plain[f"tokens_per_s_batch{b}"], 2))  # fmt: skip
+        out[f"batch{b}"] = {"spec_decode_counters": c, "same_tokens": same, "ratio_mtp_over_plain": ratio}
+        run.check(f"MTP batch {b}: greedy tokens identical to decoding without MTP", same)
+        run.check(f"MTP batch {b}: generated {b} x {gen} tokens", mtp[f"tokens_batch{b}"] == b * gen,
+                  mtp[f"tokens_batch{b}"])  # fmt: skip
+        if b in MTP_TARGETS:
+            run.check(f"MTP batch {b}: decode tokens/s with MTP over without >= {MTP_TARGETS[b]}",
+                      ratio >= MTP_TARGETS[b], round(ratio, 3))  # fmt: skip
+        print(f"  MTP batch {b}: {mtp[f'tokens_per_s_batch{b}']:8.1f} tok/s, plain "
+              f"{plain[f'tokens_per_s_batch{b}']:8.1f} tok/s, ratio {ratio:5.2f}x, same tokens: {same}")  # fmt: skip
+    out["drafts"] = drafts
+    out["acceptance_per_position"] = [n / drafts for n in per_pos]
+    out["mean_accepted_length"] = 1 + sum(per_pos) / drafts
+    run.check("MTP drafts proposed", drafts > 0, drafts)
+    print(f"  MTP acceptance per position {out['acceptance_per_position']}, fit {fit}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
     ap.add_argument("--out", help="write the numbers as JSON here")
     ap.add_argument("--vs-native", action="store_true", help="only this adapter vs vLLM's own DeepSeek-V4")
     ap.add_argument("--skip-vs-native", action="store_true", help="leave out the comparison with vLLM's own model")
+    ap.add_argument(
+        "--only-mtp", action="store_true", help="only MTP speculative decoding (record bench-deepseek_v4-mtp)"
+    )
+    ap.add_argument("--skip-mtp", action="store_true", help="leave out MTP speculative decoding")
     add_evidence_dir_argument(ap)
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--mtp-drafts", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
         model_dir, prompt_len, gen, out = args.worker
-        worker(model_dir, int(prompt_len), int(gen), out, args.dtype, args.compiled)
+        worker(model_dir, int(prompt_len), int(gen), out, args.dtype, args.compiled, args.mtp_drafts)
         return 0
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -180,6 +260,18 @@ def main() -> int:
     from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
     from ascend_adapters.testing.modelslim import export_w8a8
 
+    failed = 0
+    if not args.skip_mtp and not args.vs_native:
+        mtp_run = BenchRun("deepseek_v4", "deepseek_v4-mtp")
+        mtp_len, mtp_gen = (24, 48) if args.quick else (100, 128)
+        mtp_run.metric("mtp", mtp_bench(mtp_run, mtp_len, mtp_gen))
+        mtp_run.metric("prompt_len", mtp_len)
+        mtp_run.metric("generated", mtp_gen)
+        mtp_run.rec.notes.append("the two engines ran one after another in this run, each in its own process")
+        mtp_run.write(args.evidence_dir)
+        failed |= not mtp_run.rec.passed
+    if args.only_mtp:
+        return int(failed)
     prompt_len, gen = (24, 16) if args.quick else (100, 64)
     run = BenchRun("deepseek_v4", "deepseek_v4-vs-native" if args.vs_native else "deepseek_v4")
     results = {
@@ -253,6 +345,7 @@ def main() -> int:
     )
     for name, r in engines.items():
         for b in (1, 8):
+            r.pop(f"ids_batch{b}", None)
             if f"tokens_batch{b}" in r:
                 run.check(f"{name}: batch {b} generated {b} x {gen} tokens", r[f"tokens_batch{b}"] == b * gen,
                           r[f"tokens_batch{b}"])  # fmt: skip
@@ -261,7 +354,7 @@ def main() -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(results, indent=2))
     run.write(args.evidence_dir)
-    return 0
+    return int(failed or not run.rec.passed)
 
 
 if __name__ == "__main__":

@@ -191,6 +191,141 @@ def add_mtp_layer(out_dir: str | Path, seed: int = 0, **overrides) -> Path:
     return out
 
 
+# The MTP-fitted checkpoint (tests and bench): a small init scale, so the next token depends mostly on the
+# current one and the token after next is learnable by one MTP layer from a few thousand tokens (held-out
+# top-1 accuracy about 0.58 here; at the tiny model's own scale, 0.1, or at 0.02 it stays near 0.1). At
+# that scale the logits span about 0.35 per position, too little for a parity bound of 1e-3 to mean much;
+# the head is scaled up so they span several units (greedy tokens do not change: argmax is scale-free).
+MTP_FITTED = dict(initializer_range=0.005)
+MTP_FITTED_HEAD_SCALE = 20.0
+MTP_FIT = dict(sequences=128, steps=150, lr=1e-2)
+_MTP_GLUE = ("e_proj.weight", "h_proj.weight", "enorm.weight", "hnorm.weight", "norm.weight")
+_MTP_HC_HEAD = ("hc_head_fn", "hc_head_base", "hc_head_scale")
+
+
+def make_mtp_fitted(out_dir: str | Path, seed: int = 4, **overrides) -> tuple[Path, dict]:
+    """A tiny checkpoint with an MTP layer fitted (``fit_mtp``) to its own model; returns it and the fit's
+    summary."""
+    from safetensors.torch import load_file, save_file
+
+    out = make_tiny(out_dir, seed=seed, mtp=True, **{**MTP_FITTED, **overrides})
+    tensors = load_file(str(out / "model.safetensors"))
+    tensors["head.weight"] = tensors["head.weight"] * MTP_FITTED_HEAD_SCALE
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out, fit_mtp(out, **MTP_FIT)
+
+
+def fit_mtp(
+    ckpt: str | Path,
+    *,
+    sequences: int = 128,
+    prompt_len: int = 8,
+    gen_len: int = 40,
+    steps: int = 150,
+    lr: float = 1e-2,
+    seed: int = 0,
+) -> dict:
+    """Train the checkpoint's MTP layer (``mtp.0.*``), as MTP layers are trained, to predict its own model's
+    token after next, and write it back in place. The data are the model's greedy continuations of random
+    prompts; the loss is cross-entropy on the generated tokens; embedding, head and the main layers stay
+    the model's. Returns the final training loss and the top-1 accuracy on an eighth of the sequences held
+    out of the fit. Runs on one torch thread, so the fitted weights do not depend on the caller's thread
+    count (the tests' and the bench's checkpoints are the same)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _fit_mtp(Path(ckpt), sequences, prompt_len, gen_len, steps, lr, seed)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _fit_mtp(ckpt: Path, sequences: int, prompt_len: int, gen_len: int, steps: int, lr: float, seed: int) -> dict:
+    import tempfile
+
+    from safetensors.torch import load_file, save_file
+    from transformers import DeepseekV4ForCausalLM
+    from transformers.masking_utils import create_sliding_window_causal_mask
+
+    cfg = json.loads((ckpt / "config.json").read_text())
+    eps = cfg["rms_norm_eps"]
+    torch.manual_seed(seed)
+    main = DeepseekV4ForCausalLM.from_pretrained(str(ckpt), dtype=torch.float32).eval()
+    ids = torch.randint(2, cfg["vocab_size"], (sequences, prompt_len), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        for _ in range(gen_len):  # greedy, full forward per step (the tiny model has no cache to trust here)
+            ids = torch.cat([ids, main(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        seen = {}
+        hook = main.model.hc_head.register_forward_pre_hook(lambda m, args: seen.setdefault("s", args[0]))
+        main(ids)
+        hook.remove()
+    streams = seen["s"][:, :-2].float()  # [B, T-2, hc, h]: the target's streams at position i
+    embeds = main.model.embed_tokens(ids[:, 1:-1]).detach()  # token i + 1
+    embeds[:, 0] = 0.0  # position 0, as served
+    targets = ids[:, 2:].clone()  # token i + 2
+    targets[:, : prompt_len - 2] = -100  # the random prompt tokens cannot be predicted
+    tensors = load_file(str(ckpt / "model.safetensors"))
+    one = dict(cfg, num_hidden_layers=1, num_nextn_predict_layers=0)
+    one.update(layer_types=[MTP_LAYER_TYPE], mlp_layer_types=[MTP_MLP_TYPE])
+    block_tensors = {
+        "model.layers.0." + k[len("mtp.0.") :]: v
+        for k, v in tensors.items()
+        if k.startswith("mtp.0.") and k[len("mtp.0.") :] not in _MTP_GLUE + _MTP_HC_HEAD
+    }
+    for k in ("model.embed_tokens.weight", "head.weight", "model.norm.weight"):
+        block_tensors[k] = tensors[k]
+    for k in ("hc_fn", "hc_base", "hc_scale"):
+        block_tensors[f"model.hc_head.{k}"] = tensors[f"model.hc_head.{k}"]
+    with tempfile.TemporaryDirectory() as tmp:
+        save_file(block_tensors, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
+        (Path(tmp) / "config.json").write_text(json.dumps(one))
+        model = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).model
+    layer = model.layers[0].train()
+    glue = {k: torch.nn.Parameter(tensors[f"mtp.0.{k}"].float().clone()) for k in _MTP_GLUE + _MTP_HC_HEAD}
+    head = tensors["head.weight"].float()
+    trained = [*glue.values(), *(p for p in layer.parameters() if p.requires_grad)]
+    opt = torch.optim.Adam(trained, lr=lr)
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w
+
+    t = streams.shape[1]
+    position_ids = torch.arange(t)[None]
+    dummy = torch.zeros(1, t, cfg["hidden_size"])
+    mask = create_sliding_window_causal_mask(
+        config=model.config, inputs_embeds=dummy, attention_mask=None, past_key_values=None, position_ids=position_ids
+    )
+    rope = {k: model.rotary_emb(dummy, position_ids=position_ids, layer_type=k) for k in ("main", "compress")}
+
+    def draft_logits(rows):
+        e = rms(embeds[rows], glue["enorm.weight"]) @ glue["e_proj.weight"].T
+        x = e[:, :, None] + rms(streams[rows], glue["hnorm.weight"]) @ glue["h_proj.weight"].T
+        x = layer(
+            x, position_embeddings=rope, position_ids=position_ids, attention_mask=mask, input_ids=ids[rows, 1:-1]
+        )
+        flat = x.flatten(2)
+        mixes = (flat @ glue["hc_head_fn"].T) * torch.rsqrt(flat.square().mean(-1, keepdim=True) + eps)
+        pre = torch.sigmoid(mixes * glue["hc_head_scale"] + glue["hc_head_base"]) + cfg["hc_eps"]
+        return rms((pre[..., None] * x).sum(2), glue["norm.weight"]) @ head.T
+
+    held = max(1, sequences // 8)  # held out: the accuracy on continuations the fit did not see
+    train = slice(held, None)
+    for _ in range(steps):
+        loss = torch.nn.functional.cross_entropy(draft_logits(train).flatten(0, 1), targets[train].flatten())
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    with torch.no_grad():
+        mask_held = targets[:held] >= 0
+        accuracy = float((draft_logits(slice(0, held)).argmax(-1) == targets[:held])[mask_held].float().mean())
+    for k, v in layer.state_dict().items():
+        if f"mtp.0.{k}" in tensors:
+            tensors[f"mtp.0.{k}"] = v.detach().contiguous()
+    for k, p in glue.items():
+        tensors[f"mtp.0.{k}"] = p.detach().to(tensors[f"mtp.0.{k}"].dtype).contiguous()
+    save_file(tensors, str(ckpt / "model.safetensors"), metadata={"format": "pt"})
+    return {"loss": float(loss.detach()), "held_out_accuracy": accuracy, "steps": steps, "sequences": sequences}
+
+
 # ---------------------------------------------------------------- DeepSeek's own release layout
 _NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
 # FP8 e4m3 block-scaled in the release: attention linears (indexer query included) and the shared expert.
