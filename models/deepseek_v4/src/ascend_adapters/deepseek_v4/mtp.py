@@ -124,6 +124,10 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
                 "layer to draft with; serve without --speculative-config"
             )
         self.embed_tokens = None  # the target's, installed by vLLM's proposer
+        if vllm_config.quant_config is not None:
+            # a quantized export names the MTP layer mtp.K.*: map its description to the drafter's layer
+            # names, as vLLM maps the target's through DeepseekV4ForCausalLM.hf_to_vllm_mapper
+            vllm_config.quant_config.apply_vllm_mapper(mtp_weights_mapper(config))
         ids = range(self.mtp_start_layer_idx, self.mtp_start_layer_idx + self.num_mtp_layers)
         self.layers = nn.ModuleDict(
             {str(i): DeepseekV4MTPLayer(vllm_config, config, i, prefix=f"{prefix}.layers.{i}") for i in ids}
