@@ -9,6 +9,8 @@ and a 3-token prompt (or a 2-token last chunk) is no longer than 1 + 3 tokens, s
 as a decode. Every generated step's logits must match the official ``rwkv`` package on the same
 tokens within the parity gate's bound, and vLLM's own spec-decode counters must show drafts
 accepted at every draft position and drafts rejected (both kinds of state rows were resumed from).
+The same at tensor parallelism 2 (the prompts batched). Pipeline parallelism with speculation is refused
+at start-up (vLLM builds the proposer on the last stage only).
 
 Why the bound catches a wrong row: resuming from a neighbouring row feeds the time-mix a state one
 token off, which moves the logits by about ``self_repeating``'s time-mix scale (5e-2) of their
@@ -50,13 +52,14 @@ LLM_KWARGS = {
 TOL = 1e-4  # the parity gate's bound (test_rwkv7_parity.py)
 
 
-@pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def _serve(root, llm_kwargs, alone: bool, env=None) -> dict:
+    """The four prompts together (then each alone with ``alone``) on one engine; per row the worst logit
+    difference to the ``rwkv`` package and whether the greedy tokens are its; vLLM's counters summed."""
     started = time.time()
     spec = CASES[CASE]
-    pth, hf_dir = build_case(tmp_path_factory.mktemp("rwkv7-ngram"), CASE, repeating=True)
+    pth, hf_dir = build_case(root, CASE, repeating=True)
     ps = prompts(spec["vocab"], LENGTHS, seed=spec["seed"])
-    batches = engine_run(hf_dir, [ps] + [[p] for p in ps], MAX_TOKENS, LLM_KWARGS)
+    batches = engine_run(hf_dir, [ps] + ([[p] for p in ps] if alone else []), MAX_TOKENS, llm_kwargs, env)
     rows = [row for batch in batches for row in batch["rows"]]
     refs = rwkv_package_logits(pth, [r["prompt_ids"] + r["gen_ids"][:-1] for r in rows])
     per_row = []
@@ -74,6 +77,34 @@ def served(tmp_path_factory):
     total = {k: sum(c.get(k, 0) for c in counters) for k in counters[0] if not isinstance(counters[0][k], list)}
     per_pos = [sum(c["vllm:spec_decode_num_accepted_tokens_per_pos"][j] for c in counters) for j in range(DRAFTS)]
     return {"started": started, "per_row": per_row, "counters": total, "accepted_per_position": per_pos}
+
+
+def _record(served: dict, gate: str, llm_kwargs: dict, what: str):
+    rec = EvidenceRecord(model="rwkv7", gate=gate, started=served["started"])
+    rec.command(
+        f"vllm.LLM(OUT_DIR, {llm_kwargs}, logprobs_mode=raw_logits) greedy, {MAX_TOKENS} tokens, prompts of "
+        f"{LENGTHS} tokens {what}; tiny.self_repeating checkpoint"
+    )
+    rec.command("rwkv.model.RWKV(SRC, 'cpu fp32') with RWKV_V7_ON=1 RWKV_CUDA_ON=0")
+    c = served["counters"]
+    rec.metric("spec_decode_counters", c)
+    rec.metric("accepted_per_position", served["accepted_per_position"])
+    worst = max(r["max_abs_diff"] for r in served["per_row"])
+    rec.metric("max_abs_logit_diff", worst)
+    rec.check(f"generated-step logits within {TOL} of the rwkv package ({what}, chunked)", worst < TOL)
+    rec.check("greedy tokens identical to the rwkv package", all(r["tokens_identical"] for r in served["per_row"]))
+    rec.check("drafts accepted at every draft position", all(n > 0 for n in served["accepted_per_position"]))
+    rec.check(
+        "drafts rejected (the state rolled back)",
+        c["vllm:spec_decode_num_accepted_tokens"] < c["vllm:spec_decode_num_draft_tokens"],
+    )
+    rec.skip("NPU", "no Ascend NPU here")
+    return rec
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory):
+    return _serve(tmp_path_factory.mktemp("rwkv7-ngram"), LLM_KWARGS, alone=True)
 
 
 @pytest.mark.vllm
@@ -95,30 +126,23 @@ def test_drafts_were_accepted_at_every_position_and_some_rejected(served):
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_speculative_gate_evidence(served, evidence_root):
-    rec = EvidenceRecord(model="rwkv7", gate="speculative_ngram", started=served["started"])
-    rec.command(
-        f"vllm.LLM(OUT_DIR, dtype=float32, enforce_eager=False, max_num_batched_tokens=32, "
-        f"speculative_config={NGRAM}, logprobs_mode=raw_logits) greedy, {MAX_TOKENS} tokens, prompts of "
-        f"{LENGTHS} tokens batched then each alone; tiny.self_repeating checkpoint"
-    )
-    rec.command("rwkv.model.RWKV(SRC, 'cpu fp32') with RWKV_V7_ON=1 RWKV_CUDA_ON=0")
-    c = served["counters"]
-    rec.metric("spec_decode_counters", c)
-    rec.metric("accepted_per_position", served["accepted_per_position"])
-    worst = max(r["max_abs_diff"] for r in served["per_row"])
-    rec.metric("max_abs_logit_diff", worst)
-    ok = rec.check(f"generated-step logits within {TOL} of the rwkv package (alone, batched, chunked)", worst < TOL)
-    ok &= rec.check(
-        "greedy tokens identical to the rwkv package", all(r["tokens_identical"] for r in served["per_row"])
-    )
-    ok &= rec.check("drafts accepted at every draft position", all(n > 0 for n in served["accepted_per_position"]))
-    ok &= rec.check(
-        "drafts rejected (the state rolled back)",
-        c["vllm:spec_decode_num_accepted_tokens"] < c["vllm:spec_decode_num_draft_tokens"],
-    )
-    rec.skip("NPU", "no Ascend NPU here")
+    rec = _record(served, "speculative_ngram", LLM_KWARGS, "batched then each alone")
     path = rec.write(evidence_root)
-    assert ok and path.exists()
+    assert rec.passed and path.exists(), rec.checks
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_speculative_tp2_gate_evidence(tmp_path, evidence_root):
+    """The same gate at tensor parallelism 2 (each rank holds one of the two heads and its state rows),
+    the four prompts batched: each rank rolls its own state rows back by the same accepted counts."""
+    from ascend_adapters.testing.parity import two_rank_cpu_bind
+
+    env = two_rank_cpu_bind("tensor parallelism 2")
+    kwargs = {**LLM_KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
+    rec = _record(_serve(tmp_path, kwargs, alone=False, env=env), "speculative_ngram_tp2", kwargs, "batched")
+    path = rec.write(evidence_root)
+    assert rec.passed and path.exists(), rec.checks
 
 
 @pytest.mark.vllm
@@ -128,11 +152,13 @@ def test_unsupported_speculation_is_refused_at_startup(tmp_path):
         [
             ["ngram", str(hf_dir), {"speculative_config": NGRAM}],
             ["ngram_prefix", str(hf_dir), {"speculative_config": NGRAM, "enable_prefix_caching": True}],
+            ["ngram_pp2", str(hf_dir), {"speculative_config": NGRAM, "pipeline_parallel_size": 2}],
         ],
         tmp_path,
     )
     assert out["ngram"] == "OK", out
     assert "speculative decoding with prefix caching is not supported" in out["ngram_prefix"], out
+    assert "speculative decoding with pipeline_parallel_size=2 is not supported" in out["ngram_pp2"], out
 
 
 # -- in process: rollback and capture safety ------------------------------------------------------

@@ -50,6 +50,13 @@ def unsupported_reasons(vllm_config) -> list[str]:
             "of accepted drafts are moved to their block only for hybrid models; serve without "
             "--enable-prefix-caching"
         )
+    elif vllm_config.speculative_config is not None and pp > 1:
+        reasons.append(
+            f"speculative decoding with pipeline_parallel_size={pp} is not supported: vLLM builds the proposer "
+            "on the last stage only (vLLM 0.32's runner then fails at start-up on the other stages), and the "
+            "earlier stages' recurrent states would need each step's accepted-draft count; serve with "
+            "tensor parallelism or without --speculative-config"
+        )
     return reasons
 
 
