@@ -175,19 +175,47 @@ def vllm_model(dirs):
     return build
 
 
-def test_attention_backend_declares_no_graph_capture(dirs, vllm_model):
-    """The attention walks the requests on the host (``tolist()``), so its backend must not let vLLM
-    capture a step as a graph (vLLM's LINEAR builder alone declares single-token decode)."""
+def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
+    """Each attention layer declares only the caches its type needs, each a vLLM KV-cache spec with the
+    same page size (vLLM groups them without resizing a block); the backend lets vLLM capture no graph
+    (the attention walks the requests on the host)."""
     from vllm.v1.attention.backend import AttentionCGSupport
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadataBuilder
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
+    from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING
+
+    cfg = tiny_config()
+    rates, w = cfg.compress_rates, cfg.sliding_window
+    # kind -> (sliding window, positions per row) by layer type; None: the cache keeps every row
+    expected = {
+        LAYER_SLIDING: {"window": (w, 1)},
+        LAYER_CSA: {
+            "window": (w, 1),
+            "pending": (2 * rates[LAYER_CSA], 1),
+            "entries": (None, rates[LAYER_CSA]),
+            "index": (None, rates[LAYER_CSA]),
+        },
+        LAYER_HCA: {"window": (w, 1), "pending": (rates[LAYER_HCA], 1), "entries": (None, rates[LAYER_HCA])},
+    }
     model = vllm_model(dirs["tiny"])
-    layers = [m for m in model.modules() if hasattr(m, "get_attn_backend")]
-    assert len(layers) == tiny_config().num_hidden_layers
-    for layer in layers:
-        builder = layer.get_attn_backend().get_builder_cls()
-        assert issubclass(builder, LinearAttentionMetadataBuilder), layer.prefix  # the same metadata
-        assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER, layer.prefix
+    pages = set()
+    for i, layer in enumerate(model.model.layers):
+        caches = layer.self_attn.caches
+        want = expected[cfg.layer_types[i]]
+        assert set(caches) == set(want), (i, sorted(caches))
+        for kind, cache in caches.items():
+            spec = cache.get_kv_cache_spec(None)
+            window, per_row = want[kind]
+            if window is None:
+                assert type(spec) is MLAAttentionSpec, (i, kind)
+                ratio = getattr(spec, "tokens_per_state", getattr(spec, "compress_ratio", None))
+                assert ratio == per_row, (i, kind, ratio)
+            else:
+                assert type(spec) is SlidingWindowMLASpec and spec.sliding_window == window, (i, kind)
+            pages.add(spec.page_size_bytes)
+            builder = cache.get_attn_backend().get_builder_cls()
+            assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER, cache.layer_name
+    assert len(pages) == 1, pages
 
 
 def _tensors(path):
@@ -342,7 +370,7 @@ def test_vllm_rotary_matches_transformers_bit_for_bit(config_fn):
     from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4RotaryEmbedding, apply_rotary_pos_emb
     from vllm.config import VllmConfig, set_current_vllm_config
 
-    from ascend_adapters.deepseek_v4.model import apply_rope, deepseek_v4_rope
+    from ascend_adapters.deepseek_v4.rope import apply_rope, deepseek_v4_rope
 
     cfg = config_fn()
     assert {cfg.rope_parameters[label]["rope_type"] for label in ("main", "compress")} == {"default", "yarn"}
@@ -388,7 +416,6 @@ def test_startup_policy_wraps_vllms_hook():
     register()
     cls = vllm_models_config.MODELS_CONFIG_MAP[ARCH]
     assert issubclass(cls, vllm_models_config.DeepseekV4ForCausalLMConfig)
-    assert issubclass(cls, vllm_models_config.MambaModelConfig)
     assert cls.__mro__[1] is vllm_models_config.DeepseekV4ForCausalLMConfig  # installed once
     assert cls._ascend_adapters_policy.endswith(check_startup.__qualname__)
 

@@ -31,12 +31,14 @@ from ascend_adapters.common.compat.engine_range import (
 )
 from ascend_adapters.common.compat.shims import (
     MhcOpClasses,
+    compressed_attention_spec,
     cpu_int8_gemm,
     latent_kv_cache_shape,
     mhc_op_classes,
     mla_attention_spec,
     moe_method_routes,
     moe_select_experts,
+    sliding_window_row_spec,
     weights_mapper_fn,
 )
 
@@ -49,6 +51,7 @@ __all__ = [
     "PRIMARY_ENGINE_SERIES",
     "EngineVersionError",
     "MhcOpClasses",
+    "compressed_attention_spec",
     "cpu_int8_gemm",
     "engine_check",
     "engine_in_range",
@@ -59,6 +62,7 @@ __all__ = [
     "latent_kv_cache_shape",
     "mhc_op_classes",
     "mla_attention_spec",
+    "sliding_window_row_spec",
     "moe_method_routes",
     "moe_select_experts",
     "require_supported_engine",

@@ -44,6 +44,50 @@ def mla_attention_spec(**kwargs):
     return MLAAttentionSpec(**_known_kwargs(MLAAttentionSpec, kwargs, droppable={"max_tp_shards": 1}))
 
 
+def compressed_attention_spec(*, block_size: int, head_size: int, dtype, tokens_per_row: int):
+    """An ``MLAAttentionSpec`` of one row of ``head_size`` per ``tokens_per_row`` tokens (a compressed cache).
+
+    ``block_size`` counts tokens on every engine; a block holds ``block_size // tokens_per_row``
+    rows. 0.32 names the ratio ``tokens_per_state``, 0.27/0.28 ``compress_ratio``.
+    """
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if block_size % tokens_per_row:
+        raise ValueError(f"block_size {block_size} is not a multiple of tokens_per_row {tokens_per_row}")
+    fields = _spec_fields(MLAAttentionSpec)
+    ratio = "tokens_per_state" if "tokens_per_state" in fields else "compress_ratio"
+    return mla_attention_spec(
+        block_size=block_size,
+        num_kv_heads=1,
+        max_tp_shards=1,
+        head_size=head_size,
+        dtype=dtype,
+        **{ratio: tokens_per_row},
+    )
+
+
+def sliding_window_row_spec(*, block_size: int, head_size: int, dtype, sliding_window: int):
+    """A ``SlidingWindowMLASpec``: one row of ``head_size`` per token, of which a step reads the last
+    ``sliding_window - 1`` before its first token (vLLM frees the blocks behind them). The plain
+    ``SlidingWindowSpec`` would count a K and a V row per token."""
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+
+    return SlidingWindowMLASpec(
+        **_known_kwargs(
+            SlidingWindowMLASpec,
+            dict(
+                block_size=block_size,
+                num_kv_heads=1,
+                max_tp_shards=1,
+                head_size=head_size,
+                dtype=dtype,
+                sliding_window=sliding_window,
+            ),
+            droppable={"max_tp_shards": 1},
+        )
+    )
+
+
 def _known_kwargs(cls, kwargs: dict, droppable: dict) -> dict:
     known = _spec_fields(cls)
     out = {}

@@ -13,7 +13,7 @@ cheap: lazy "module:Class" registration, no torch import. It registers
   transformers-saved layout and DeepSeek's native keys) and hands every other
   model to vLLM's stock parser unchanged;
 * the start-up policy (``policy.py``, on vLLM's per-architecture config hook):
-  state sizing, limits, prefix caching refused;
+  limits, quantization formats and speculative methods served;
 * ``STATUS_NOTES``: the memory lines ``ascend-adapters status`` prints for it (``memory.py``).
 """
 

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from ascend_adapters.deepseek_v4.config import (
@@ -26,6 +27,65 @@ from ascend_adapters.deepseek_v4.config import (
     compressed_enabled,
     vllm_rope_parameters,
 )
+
+# The paged caches of one attention layer (attention.py declares one vLLM KV-cache spec for each):
+WINDOW = "window"  # shared K=V of every position, of which a query reads the last sliding_window
+PENDING = "pending"  # the layer input of every position, from which the compressor pools a closing window
+ENTRIES = "entries"  # compressed KV entries, one per rate positions
+INDEX = "index"  # the indexer's compressed keys (CSA), one per rate positions
+# Every cache has the same page size (vLLM then groups them without resizing any block): a page holds
+# PAGE_ROWS rows of the widest token row, the layer input of the pending cache.
+PAGE_ROWS = 16
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGeometry:
+    width: int  # values per row
+    tokens_per_row: int  # 1: a row per position; rate: a compressed entry per rate positions
+    block_size: int  # positions per block
+    sliding_window: int | None  # a step reads the sliding_window - 1 positions before its first; None: all
+
+    def blocks(self, tokens: int) -> int:
+        """Blocks vLLM holds for a request of ``tokens`` positions after its last step."""
+        full = -(-tokens // self.block_size)
+        if self.sliding_window is None:
+            return full
+        return min(full, -(-(self.sliding_window - 1) // self.block_size) + 1)
+
+
+def page_values(config) -> int:
+    """Values in one page of every cache (see PAGE_ROWS)."""
+    widths = [int(config.hidden_size), int(config.head_dim), int(config.index_head_dim)]
+    return PAGE_ROWS * math.lcm(*widths)
+
+
+def layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
+    """The caches an attention layer of ``layer_type`` holds: sliding layers the window only; CSA layers
+    window + pending inputs (the two windows an overlapping entry pools) + entries + indexer keys; HCA
+    layers window + pending inputs (one window) + entries."""
+    page = page_values(config)
+    hd, h = int(config.head_dim), int(config.hidden_size)
+    caches = {WINDOW: CacheGeometry(hd, 1, page // hd, int(config.sliding_window))}
+    if layer_type == LAYER_SLIDING:
+        return caches
+    rate = int(config.compress_rates[layer_type])
+    caches[PENDING] = CacheGeometry(h, 1, page // h, (2 if layer_type == LAYER_CSA else 1) * rate)
+    caches[ENTRIES] = CacheGeometry(hd, rate, rate * (page // hd), None)
+    if layer_type == LAYER_CSA:
+        idim = int(config.index_head_dim)
+        caches[INDEX] = CacheGeometry(idim, rate, rate * (page // idim), None)
+    return caches
+
+
+def served_layer_types(config) -> list[str]:
+    """Each layer's attention type as served (all sliding with the compressed branches switched off)."""
+    return list(config.layer_types) if compressed_enabled() else [LAYER_SLIDING] * len(config.layer_types)
+
+
+def request_cache_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
+    """Bytes of the pages vLLM holds for one request of ``tokens`` positions, every layer."""
+    page = page_values(config) * dtype_bytes
+    return sum(g.blocks(tokens) * page for t in served_layer_types(config) for g in layer_caches(config, t).values())
 
 
 def rollback_slack(num_speculative_tokens: int) -> int:

@@ -1,8 +1,7 @@
 """What the portable DeepSeek-V4 model refuses at start-up, with the reason and the fix.
 
 Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
-config hook, over vLLM's own class for ``DeepseekV4ForCausalLM`` and its
-``MambaModelConfig`` (which sizes the per-request state block): vLLM's checks
+config hook, over vLLM's own class for ``DeepseekV4ForCausalLM``: vLLM's checks
 run first, then ``check_startup``, before any weights load.
 """
 
@@ -56,12 +55,6 @@ def check_startup(vllm_config) -> None:
             "--config-format?"
         )
     validate_config(hf, source=str(model_config.model))
-    cache_config = vllm_config.cache_config
-    if cache_config.enable_prefix_caching:
-        raise ValueError(
-            f"{ARCH} (ascend-adapters portable path) keeps per-request attention state and does not "
-            "support prefix caching; drop --enable-prefix-caching."
-        )
     limit = max_exact_len(hf)
     if limit is not None and model_config.max_model_len > limit:
         raise ValueError(
@@ -103,8 +96,6 @@ def check_startup(vllm_config) -> None:
 
 def install() -> None:
     """Idempotent."""
-    from vllm.model_executor.models.config import MambaModelConfig
-
     from ascend_adapters.common.policy import install_policy
 
-    install_policy([ARCH], check_startup, base=MambaModelConfig, name="DeepseekV4StartupPolicy")
+    install_policy([ARCH], check_startup, name="DeepseekV4StartupPolicy")

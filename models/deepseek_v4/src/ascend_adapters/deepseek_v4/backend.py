@@ -1,0 +1,87 @@
+"""A portable attention "backend" for DeepSeek-V4's paged caches.
+
+Every attention layer keeps its state in up to four caches (``memory.layer_caches``), each an
+attention-like layer (``attention.DeepseekV4Cache``) with a KV-cache spec of its own: vLLM groups
+them, allocates their blocks as the request grows, frees the blocks a sliding window has left and
+hands each cache the metadata of its group per step. This backend's metadata is that bookkeeping,
+prepared outside the compiled graph: the step's query boundaries and the group's block table. The
+attention itself (``vllm::dsv4_attention``) reads and writes the caches with plain torch indexing,
+so the same path runs on CPU and on an NPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from vllm.v1.attention.backend import (
+    AttentionBackend,
+    AttentionCGSupport,
+    AttentionImpl,
+    AttentionMetadata,
+    AttentionMetadataBuilder,
+    CommonAttentionMetadata,
+)
+
+from ascend_adapters.common import compat
+
+
+@dataclass
+class DeepseekV4CacheMetadata(AttentionMetadata):
+    query_start_loc: list[int]  # host, num_reqs + 1
+    block_table: torch.Tensor  # [num_reqs, max_blocks] long: this cache group's blocks of each request
+
+
+class DeepseekV4CacheMetadataBuilder(AttentionMetadataBuilder[DeepseekV4CacheMetadata]):
+    reorder_batch_threshold = None
+    # The attention walks the requests on the host (the query boundaries are a list): a captured decode
+    # step would replay the boundaries of the step it was captured in. vLLM runs vllm::dsv4_attention
+    # eagerly between the compiled pieces and captures no full graph of this model.
+    _cudagraph_support = AttentionCGSupport.NEVER
+
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+
+    def build(
+        self, common_prefix_len: int, common_attn_metadata: CommonAttentionMetadata, fast_build: bool = False
+    ) -> DeepseekV4CacheMetadata:
+        m = common_attn_metadata
+        n = m.num_reqs
+        return DeepseekV4CacheMetadata(
+            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
+            block_table=m.block_table_tensor[:n].to(torch.long),
+        )
+
+
+class DeepseekV4CacheImpl(AttentionImpl):
+    """Placeholder: the attention layer computes attention itself (``attention.py``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        pass
+
+    def forward(self, *args, **kwargs):  # pragma: no cover - never called
+        raise NotImplementedError("DeepseekV4CacheImpl is not called; DeepseekV4Attention computes attention")
+
+
+class DeepseekV4CacheBackend(AttentionBackend):
+    supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
+    forward_includes_kv_cache_update = True
+
+    @staticmethod
+    def get_name() -> str:
+        # vLLM's enum has no entry for out-of-tree backends; the name is only logged.
+        return "CUSTOM"
+
+    @staticmethod
+    def get_impl_cls():
+        return DeepseekV4CacheImpl
+
+    @staticmethod
+    def get_builder_cls():
+        return DeepseekV4CacheMetadataBuilder
+
+    get_kv_cache_shape = staticmethod(compat.latent_kv_cache_shape)  # asked by vLLM 0.27/0.28 only
+
+    @classmethod
+    def is_mla(cls) -> bool:
+        return True
