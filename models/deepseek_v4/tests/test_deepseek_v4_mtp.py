@@ -206,26 +206,17 @@ def inprocess_drafter(tmp_path_factory):
     drafter.model.embed_tokens = target.model.embed_tokens
     for layer in drafter.model.layers.values():
         layer.shared_head.head = target.lm_head
-        attn = layer.self_attn
-        attn.kv_cache = tuple(
-            torch.zeros(2, *s, dtype=d) for s, d in zip(attn.get_state_shape(), attn.get_state_dtype())
-        )
+        for cache in layer.self_attn.caches.values():  # block 0 is vLLM's null block; the request has the rest
+            blocks = 1 + -(-mc.max_model_len // cache.geometry.block_size)
+            cache.kv_cache = torch.zeros(blocks, cache.rows_per_block, cache.geometry.width)
     return cfg, drafter, MtpReference(ckpt)
 
 
-def _metadata(query_len: int, seq_len: int):
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+def _metadata(cache, query_len: int):
+    from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadata
 
-    decode = query_len == 1
-    return LinearAttentionMetadata(
-        num_prefills=0 if decode else 1,
-        num_prefill_tokens=0 if decode else query_len,
-        num_decodes=1 if decode else 0,
-        num_decode_tokens=1 if decode else 0,
-        query_start_loc=torch.tensor([0, query_len], dtype=torch.int32),
-        seq_lens=torch.tensor([seq_len], dtype=torch.int32),
-        state_indices_tensor=torch.tensor([1], dtype=torch.int32),
-    )
+    blocks = cache.kv_cache.shape[0]
+    return DeepseekV4CacheMetadata(query_start_loc=[0, query_len], block_table=torch.arange(1, blocks)[None])
 
 
 @pytest.mark.vllm
@@ -242,11 +233,11 @@ def test_drafter_logits_equal_the_mtp_reference(inprocess_drafter):
     want = ref(ids, streams)  # [41, V]: row i predicts token i + 2
     flat = streams.flatten(1)
     m = 40
-    names = [layer.self_attn.prefix]
+    caches = list(layer.self_attn.caches.values())
     with torch.inference_mode():
-        with set_forward_context({n: _metadata(m, m) for n in names}, cfg, num_tokens=m):
+        with set_forward_context({c.layer_name: _metadata(c, m) for c in caches}, cfg, num_tokens=m):
             prefill = drafter.compute_logits(drafter.forward(torch.tensor(ids[1 : m + 1]), torch.arange(m), flat[:m]))
-        with set_forward_context({n: _metadata(1, m + 1) for n in names}, cfg, num_tokens=1):
+        with set_forward_context({c.layer_name: _metadata(c, 1) for c in caches}, cfg, num_tokens=1):
             out = drafter.forward(torch.tensor([ids[m + 1]]), torch.tensor([m]), flat[m : m + 1])
         decode = drafter.compute_logits(out)
     got = torch.cat([prefill, decode])

@@ -5,7 +5,7 @@ tokens and their raw logits, per batch vLLM's own counters (``engine_run``).
 (a list of batches of token-id prompts), ``max_tokens`` and ``llm_kwargs``. No prompt
 logprobs are asked for: vLLM does not read the prefix cache for requests that want them.
 Before and after each batch the engine's counters are read (``LLM.get_metrics``): prefix-cache
-hits and queries, and the speculative decoding counters (drafts, draft tokens, accepted tokens,
+hits and queries, preemptions, and the speculative decoding counters (drafts, draft tokens, accepted tokens,
 accepted tokens per draft position).
 """
 
@@ -22,12 +22,13 @@ COUNTERS = (
     "vllm:spec_decode_num_drafts",
     "vllm:spec_decode_num_draft_tokens",
     "vllm:spec_decode_num_accepted_tokens",
+    "vllm:num_preemptions",
 )
 PER_POSITION = "vllm:spec_decode_num_accepted_tokens_per_pos"
 
 
 def counters(llm) -> dict:
-    """vLLM's prefix-cache and speculative-decoding counters of ``llm`` now (summed over engines)."""
+    """vLLM's prefix-cache, preemption and speculative-decoding counters of ``llm`` now (summed over engines)."""
     out = {}
     for m in llm.get_metrics():
         if m.name in COUNTERS:
