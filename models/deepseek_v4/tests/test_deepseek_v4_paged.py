@@ -84,7 +84,7 @@ def served(tmp_path_factory):
 
 @pytest.mark.vllm
 @pytest.mark.gate
-def test_paged_state_at_length_prefix_cache_and_preemption(served, evidence_root):
+def test_paged_state_at_length_with_prefix_cache(served, evidence_root):
     model_dir, cfg, llm_kwargs, batches = served
     ref = reference_fn(hf_model(model_dir))
     rec = EvidenceRecord(model="deepseek_v4", gate="paged_long_context")
