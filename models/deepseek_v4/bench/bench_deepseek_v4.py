@@ -243,6 +243,127 @@ def mtp_bench(run: BenchRun, prompt_len: int, gen: int) -> dict:
     return out
 
 
+# -- memory: what vLLM holds per request ------------------------------------------------------------
+MEMORY_CONTEXT = 16384  # max_model_len of the memory part
+MEMORY_LENGTHS = (100, 1000, 4000, 12000)
+MEMORY_KV_BYTES = 256 << 20
+MEMORY_CHUNK = 1024
+
+
+def memory_worker(model_dir: str, out: str) -> None:
+    """One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler's block pool is readable
+    here); per length a request alone, its prompt in chunks of ``MEMORY_CHUNK`` tokens: the blocks in use
+    after every step (vLLM frees the blocks behind the sliding windows when it schedules a step)."""
+    from vllm import LLM, SamplingParams
+
+    llm = LLM(
+        model=model_dir,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=MEMORY_CONTEXT,
+        max_num_batched_tokens=MEMORY_CHUNK,
+        enable_chunked_prefill=True,
+        kv_cache_memory_bytes=MEMORY_KV_BYTES,
+        max_num_seqs=1,
+        enable_prefix_caching=False,
+        skip_tokenizer_init=True,
+    )
+    engine = llm.llm_engine
+    scheduler = engine.engine_core.engine_core.scheduler
+    config = scheduler.kv_cache_config
+    pool = scheduler.kv_cache_manager.block_pool
+    allocated = sum(t.size for t in config.kv_cache_tensors)
+    res = {
+        "kv_cache_memory_bytes": MEMORY_KV_BYTES,
+        "allocated_bytes": allocated,
+        "num_blocks": config.num_blocks,
+        "groups": [
+            {
+                "layers": len(g.layer_names),
+                "spec": type(g.kv_cache_spec).__name__,
+                "block_size": g.kv_cache_spec.block_size,
+            }
+            for g in config.kv_cache_groups
+        ],
+        "num_tensors": len(config.kv_cache_tensors),
+        "lengths": {},
+    }
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True, detokenize=False)
+    for n in MEMORY_LENGTHS:
+        engine.add_request(f"len{n}", {"prompt_token_ids": _prompt(n, n)}, params)
+        used = []
+        while engine.has_unfinished_requests():
+            engine.step()
+            used.append(pool.num_gpu_blocks - 1 - pool.get_num_free_blocks())  # block 0 is the null block
+        res["lengths"][str(n)] = {"blocks_after_each_step": used, "bytes_per_block": allocated // config.num_blocks}
+    Path(out).write_text(json.dumps(res))
+
+
+def old_fixed_page_bytes(config, max_model_len: int) -> int:
+    """The fixed float32 page every layer held per request before the caches were paged (stop 34's
+    ``memory.state_shapes``): window ``W x head_dim``, input ring ``max(2 x csa, hca) x hidden``, and
+    ``max_model_len / min rate + 1`` entries of ``head_dim + index_head_dim``."""
+    rates = config.compress_rates.values()
+    per_layer = (
+        config.sliding_window * config.head_dim
+        + max(2 * min(rates), max(rates)) * config.hidden_size
+        + (max_model_len // min(rates) + 1) * (config.head_dim + config.index_head_dim)
+    )
+    return per_layer * 4 * config.num_hidden_layers
+
+
+def memory_bench(run: BenchRun) -> dict:
+    from ascend_adapters.deepseek_v4.memory import request_cache_bytes
+    from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
+
+    cfg = tiny_config()
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-memory-") as tmp:
+        model_dir = make_tiny(Path(tmp) / "tiny")
+        with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+            out = f.name
+        env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        proc = subprocess.run(
+            [sys.executable, __file__, "--memory-worker", str(model_dir), out],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError("memory engine failed:\n" + "\n".join((proc.stdout + proc.stderr).splitlines()[-300:]))
+        res = json.loads(Path(out).read_text())
+        os.unlink(out)
+    run.check(
+        "the KV cache vLLM allocated fits the memory given (no tensor counted twice)",
+        res["allocated_bytes"] <= res["kv_cache_memory_bytes"],
+        res["allocated_bytes"],
+    )
+    old = old_fixed_page_bytes(cfg, MEMORY_CONTEXT)
+    held = []
+    for n in MEMORY_LENGTHS:
+        r = res["lengths"][str(n)]
+        # the step before the last: the request has its prompt and 2 generated tokens in the cache (the
+        # last step finishes it and frees its blocks)
+        after_decode = r["blocks_after_each_step"][-2] * r["bytes_per_block"]
+        formula = request_cache_bytes(cfg, n + 2, dtype_bytes=4)
+        r.update(held_bytes=after_decode, formula_bytes=formula, old_fixed_page_bytes=old)
+        held.append(after_decode)
+        # vLLM cannot hold less than the pages the caches read; more by its grouping (a block id of a group
+        # reserves a page in each of the tensors the groups share, used by that group's layers or wasted)
+        run.check(f"{n} tokens: vLLM holds at least the formula's pages", after_decode >= formula,
+                  f"{after_decode} vs {formula}")  # fmt: skip
+        r["held_over_formula"] = round(after_decode / formula, 3)
+        r["held_over_old_page"] = round(after_decode / old, 4)
+    run.check("what a request holds grows with its own tokens", held == sorted(held) and held[0] < held[-1], held)
+    run.check(
+        f"a {MEMORY_LENGTHS[0]}-token request holds less than a tenth of the old fixed page at max_model_len "
+        f"{MEMORY_CONTEXT}",
+        held[0] * 10 < old,
+        f"{held[0]} vs {old}",
+    )
+    return res
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
@@ -253,12 +374,19 @@ def main() -> int:
         "--only-mtp", action="store_true", help="only MTP speculative decoding (record bench-deepseek_v4-mtp)"
     )
     ap.add_argument("--skip-mtp", action="store_true", help="leave out MTP speculative decoding")
+    ap.add_argument(
+        "--only-memory", action="store_true", help="only the bytes vLLM holds per request (bench-deepseek_v4-memory)"
+    )
+    ap.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
     add_evidence_dir_argument(ap)
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
     ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mtp-drafts", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.memory_worker:
+        memory_worker(*args.memory_worker)
+        return 0
     if args.worker:
         model_dir, prompt_len, gen, out = args.worker
         worker(model_dir, int(prompt_len), int(gen), out, args.dtype, args.compiled, args.mtp_drafts)
@@ -270,6 +398,13 @@ def main() -> int:
     from ascend_adapters.testing.modelslim import export_w8a8
 
     failed = 0
+    if args.only_memory:
+        mem_run = BenchRun("deepseek_v4", "deepseek_v4-memory")
+        mem_run.metric("memory", memory_bench(mem_run))
+        mem_run.metric("max_model_len", MEMORY_CONTEXT)
+        mem_run.write(args.evidence_dir)
+        print(json.dumps(mem_run.rec.checks, indent=2))
+        return int(not mem_run.rec.passed)
     if not args.skip_mtp and not args.vs_native:
         mtp_run = BenchRun("deepseek_v4", "deepseek_v4-mtp")
         mtp_len, mtp_gen = (24, 48) if args.quick else (100, 128)

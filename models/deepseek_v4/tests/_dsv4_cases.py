@@ -45,19 +45,27 @@ def hf_greedy(model, ids, n: int) -> list[int]:
     return out
 
 
-def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
+# DeepSeek-V4-Flash's rope set (its config.json): yarn over 65536 positions x 16 = 1M
+FLASH_YARN = {"factor": 16.0, "original_max_position_embeddings": 65536, "beta_fast": 32, "beta_slow": 1}
+
+
+def make_native_hca128(out_dir: Path, seed: int = 3, long_context: bool = False) -> tuple[Path, Path]:
     """A transformers-saved tiny with HCA rate 128 (expressible in DeepSeek's keys), and its
     conversion to DeepSeek's native layout: native config keys, native tensor names without the
     ``model.`` prefix, layer 0 with a fused ``fused_wqa_wkv``, plus MTP tensors the model must skip.
-    Returns (transformers_dir, native_dir)."""
+    ``long_context``: Flash's rope set and 1M max_position_embeddings. Returns (transformers_dir, native_dir)."""
     from safetensors.torch import load_file, save_file
 
+    yarn = FLASH_YARN if long_context else {k: v for k, v in TINY_CONFIG["rope_parameters"].items() if k != "rope_type"}
+    max_positions = 1048576 if long_context else TINY_CONFIG["max_position_embeddings"]
     hf_dir = make_tiny(
-        out_dir / "hf128",
+        out_dir / ("hf128_1m" if long_context else "hf128"),
         seed=seed,
         compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 128},
+        rope_parameters={"rope_type": "yarn", **yarn},
+        max_position_embeddings=max_positions,
     )
-    native = out_dir / "native"
+    native = out_dir / ("native_1m" if long_context else "native")
     native.mkdir(parents=True, exist_ok=True)
     tensors = load_file(str(hf_dir / "model.safetensors"))
     out = {}
@@ -110,14 +118,8 @@ def make_native_hca128(out_dir: Path, seed: int = 3) -> tuple[Path, Path]:
         "compress_ratios": [_NATIVE_RATIO[t] for t in c["layer_types"]] + [0],
         "rope_theta": c["rope_theta"],
         "compress_rope_theta": c["compress_rope_theta"],
-        "rope_scaling": {
-            "type": "yarn",
-            "factor": 4.0,
-            "original_max_position_embeddings": 1024,
-            "beta_fast": 32,
-            "beta_slow": 1,
-        },
-        "max_position_embeddings": c["max_position_embeddings"],
+        "rope_scaling": {"type": "yarn", **yarn},
+        "max_position_embeddings": max_positions,
         "index_n_heads": c["index_n_heads"],
         "index_head_dim": c["index_head_dim"],
         "index_topk": c["index_topk"],
@@ -216,10 +218,8 @@ def pipeline_stage(model) -> dict:
         "hash_tables": sorted(n for n, _ in model.named_buffers() if n.endswith(".tid2eid")),
         "skipped_layers": sorted({int(x) for n in skipped for x in re.findall(r"^model\.layers\.(\d+)\.", n)}),
         "skipped_ends": sorted({n.rsplit(".", 1)[0] for n in skipped if not n.startswith("model.layers.")}),
-        # the per-request attention state vLLM bound to each of this stage's layers (rows of the window ring)
-        "state_rows": {i: _rows(m.layers[i].self_attn.kv_cache[0]) for i in layers},
+        # the paged caches vLLM bound to each of this stage's attention layers
+        "caches_bound": {
+            i: sorted(kind for kind, c in m.layers[i].self_attn.caches.items() if c.kv_cache.numel()) for i in layers
+        },
     }
-
-
-def _rows(state: torch.Tensor) -> int:
-    return int(state.shape[-2]) if state.dim() >= 2 else 0  # 0: no state bound (the placeholder)

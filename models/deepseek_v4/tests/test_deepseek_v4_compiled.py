@@ -115,32 +115,33 @@ def inprocess_model(tiny):
         model.load_weights(iter(tensors.items()))
         process_weights_after_loading(model, mc, torch.device("cpu"))
     layers = [layer.self_attn for layer in model.model.layers]
-    for attn in layers:
-        shapes, dtypes = attn.get_state_shape(), attn.get_state_dtype()
-        attn.kv_cache = tuple(torch.randn(6, *s).to(d) for s, d in zip(shapes, dtypes))
+    for attn in layers:  # random pages (block 0 is vLLM's null block): up to MAX_REQUESTS requests of 256 tokens
+        for cache in attn.caches.values():
+            per_request = -(-256 // cache.geometry.block_size)
+            cache.kv_cache = torch.randn(1 + MAX_REQUESTS * per_request, cache.rows_per_block, cache.geometry.width)
     return cfg, model, layers
+
+
+MAX_REQUESTS = 3
 
 
 def _forward_under_detector(inprocess_model, query_lens: list[int], seq_lens: list[int]) -> HostReads:
     from vllm.forward_context import set_forward_context
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
+
+    from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadata
 
     cfg, model, layers = inprocess_model
-    decodes = sum(q == 1 for q in query_lens)
-    qsl = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    md = LinearAttentionMetadata(
-        num_prefills=len(query_lens) - decodes,
-        num_prefill_tokens=sum(q for q in query_lens if q > 1),
-        num_decodes=decodes,
-        num_decode_tokens=decodes,
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        state_indices_tensor=torch.arange(1, len(query_lens) + 1, dtype=torch.int32),
-    )
-    tokens = torch.randint(2, 500, (int(qsl[-1]),))
+    qsl = [0, *torch.tensor(query_lens).cumsum(0).tolist()]
+    md = {}
+    for attn in layers:
+        for cache in attn.caches.values():
+            per_request = (cache.kv_cache.shape[0] - 1) // MAX_REQUESTS
+            table = torch.arange(1, 1 + len(query_lens) * per_request).view(len(query_lens), per_request)
+            md[cache.layer_name] = DeepseekV4CacheMetadata(query_start_loc=qsl, block_table=table)
+    tokens = torch.randint(2, 500, (qsl[-1],))
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
     mode = HostReads()
-    with set_forward_context({a.prefix: md for a in layers}, cfg, num_tokens=len(tokens)):
+    with set_forward_context(md, cfg, num_tokens=len(tokens)):
         with torch.inference_mode(), mode:
             # the plain forward (not the compiled __call__): what vLLM traces and a graph captures
             out = model.model.forward(tokens, positions)
@@ -160,7 +161,7 @@ def test_compiled_pieces_read_no_device_value_on_host(inprocess_model, query_len
     # the attention op walks the requests on the host: why its builder declares no full-graph support
     from vllm.v1.attention.backend import AttentionCGSupport
 
-    from ascend_adapters.deepseek_v4.model import DeepseekV4StateMetadataBuilder
+    from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadataBuilder
 
-    assert "Tensor.tolist" in mode.seen
-    assert DeepseekV4StateMetadataBuilder._cudagraph_support == AttentionCGSupport.NEVER
+    assert "aten.item.default" in mode.seen, mode.seen  # each request's first position
+    assert DeepseekV4CacheMetadataBuilder._cudagraph_support == AttentionCGSupport.NEVER

@@ -12,20 +12,31 @@ def test_flash_parameter_count_matches_the_published_284b():
     assert abs(total - 284e9) < 0.01 * 284e9, total
 
 
-def test_state_is_sized_for_max_model_len_in_every_layer():
+def test_request_caches_follow_the_published_shape():
+    """Flash: 2 sliding, 21 CSA (rate 4), 20 HCA (rate 128) layers; head_dim 512, hidden 4096, indexer keys
+    128, window 128; bf16 pages of 16 x 4096 values (a token's layer input per row of the pending cache)."""
     cfg = M.flash_config()
-    for length in (4096, 1048576):
-        # window [128, 512] + ring [2*4 vs 128 -> 128, 4096] + entries and indexer keys
-        # [length/4 + 1, 512 + 128], float32, the same page in all 43 layers
-        per_layer = 128 * 512 + 128 * 4096 + (length // 4 + 1) * (512 + 128)
-        assert M.state_bytes_per_sequence(cfg, length) == 43 * per_layer * 4
+    page = 16 * 4096 * 2
+
+    def blocks(n, per_block, window=None):
+        full = -(-n // per_block)
+        return full if window is None else min(full, -(-(window - 1) // per_block) + 1)
+
+    for n in (100, 4096, 1048576):
+        window = blocks(n, 128, 128)  # 128 positions of 512 per page
+        csa = window + blocks(n, 16, 8) + blocks(n, 4 * 128) + blocks(n, 4 * 512)  # pending, entries, keys
+        hca = window + blocks(n, 16, 128) + blocks(n, 128 * 128)
+        assert M.request_cache_bytes(cfg, n) == (2 * window + 21 * csa + 20 * hca) * page, n
 
 
-def test_paged_state_depends_on_the_sequence_not_on_max_model_len():
+def test_request_caches_grow_with_the_request_not_max_model_len():
     cfg = M.flash_config()
-    short = M.paged_state_bytes(cfg, 100)
-    assert short < M.state_bytes_per_sequence(cfg, 4096) / 5  # HCA rings (128 x hidden) dominate a short one
-    assert M.paged_state_bytes(cfg, 1048576) < M.state_bytes_per_sequence(cfg, 1048576) / 3
+    sizes = [M.request_cache_bytes(cfg, n) for n in (1, 100, 4096, 131072, 1048576)]
+    assert sizes == sorted(sizes) and sizes[-1] > 100 * sizes[1]
+    # at 1M tokens the compressed entries and indexer keys dominate: one 512 + 128 value pair per 4 tokens
+    # in 21 layers, one 512-value entry per 128 tokens in 20, bf16
+    entries = (21 * (1048576 // 4) * (512 + 128) + 20 * (1048576 // 128) * 512) * 2
+    assert entries < sizes[-1] < 1.01 * entries + sizes[1]
 
 
 def test_concurrency_table_shrinks_with_length():
@@ -35,11 +46,7 @@ def test_concurrency_table_shrinks_with_length():
     w = M.weight_bytes_per_device(M.flash_config(), 16, 16)
     for r in rows:  # the reported concurrency is the largest count that fits
         free = (64 << 30) - w
-        assert (
-            r["concurrency"] * r["state_bytes_per_sequence"]
-            <= free
-            < (r["concurrency"] + 1) * r["state_bytes_per_sequence"]
-        )
+        assert r["concurrency"] * r["request_cache_bytes"] <= free < (r["concurrency"] + 1) * r["request_cache_bytes"]
 
 
 def test_status_prints_the_memory_lines():
@@ -65,4 +72,4 @@ def test_status_prints_the_memory_lines():
     assert block[2].startswith("    graph mode: "), text
     assert block[3 : 3 + len(notes)] == [f"    {line}" for line in notes], text
     for r, line in zip(M.flash_table(), notes[1:]):
-        assert f" {r['concurrency']} sequence(s) per device" in line, line
+        assert f" {r['concurrency']} request(s) per device" in line, line

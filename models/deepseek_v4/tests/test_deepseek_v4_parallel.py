@@ -137,7 +137,11 @@ def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
     rec.metric("stages", stages)
     n_layers = TINY_CONFIG["num_hidden_layers"]
     hash_layers = [i for i, t in enumerate(TINY_CONFIG["mlp_layer_types"]) if t == "hash_moe"]
-    window = TINY_CONFIG["sliding_window"]
+    kinds = {  # the caches each layer type declares (docs/models/deepseek_v4.md#how-the-attention-state-is-kept)
+        "sliding_attention": ["window"],
+        "compressed_sparse_attention": ["entries", "index", "pending", "window"],
+        "heavily_compressed_attention": ["entries", "pending", "window"],
+    }
     expected = []
     for first, (a, b) in zip((True, False), ((0, n_layers // 2), (n_layers // 2, n_layers)), strict=True):
         expected.append(
@@ -148,7 +152,7 @@ def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
                 "hash_tables": [f"model.layers.{i}.mlp.gate.tid2eid" for i in hash_layers if a <= i < b],
                 "skipped_layers": [i for i in range(n_layers) if not a <= i < b],
                 "skipped_ends": ["lm_head", "model.hc_head", "model.norm"] if first else ["model.embed_tokens"],
-                "state_rows": {i: window for i in range(a, b)},
+                "caches_bound": {i: kinds[TINY_CONFIG["layer_types"][i]] for i in range(a, b)},
             }
         )
     ok_l = rec.check("PP=2 logits within 1e-3 of transformers (batched and alone)", rep.max_abs_diff < TOL)

@@ -5,7 +5,9 @@
   greedy tokens over HTTP equal transformers' greedy continuation.
 * bad inputs: a prompt longer than max_model_len (HTTP 400); a native tensor no rule maps
   (start-up stops naming it); max_model_len beyond the sliding window with the compressed
-  branches switched off; prefix caching.
+  branches switched off; ModelSlim exports with an unknown type or a missing companion.
+* DeepSeek's published layout at max_model_len 1M in 768 MiB of KV cache: 16 short requests at
+  once, tokens equal transformers', a long prompt's prefix served from the cache.
 """
 
 from __future__ import annotations
@@ -177,9 +179,7 @@ def _w8a8_export(ckpts, name, edit):
 
 @pytest.mark.vllm
 @pytest.mark.gate
-@pytest.mark.parametrize(
-    "case", ["window_only_beyond_window", "prefix_caching", "w8a8_unknown_quant_type", "w8a8_missing_companion"]
-)
+@pytest.mark.parametrize("case", ["window_only_beyond_window", "w8a8_unknown_quant_type", "w8a8_missing_companion"])
 def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch):
     """Refused while vLLM builds its config (real vllm.LLM start, in process, before any worker)."""
     from vllm import LLM
@@ -196,9 +196,6 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
         monkeypatch.setenv("ASCEND_ADAPTERS_DSV4_COMPRESSED", "0")
         kwargs["max_model_len"] = 64
         expect = "switched off (ASCEND_ADAPTERS_DSV4_COMPRESSED=0): 3 tokens (sliding window 16"
-    elif case == "prefix_caching":
-        kwargs["enable_prefix_caching"] = True
-        expect = "does not support prefix caching"
     elif case == "w8a8_unknown_quant_type":
         model = _w8a8_export(ckpts, "w8a8_unknown", "unknown_type")
         expect = "model.layers.0.attn.wq_b.weight' has unknown quantization type 'W4A16_GROUPED'"
@@ -213,3 +210,76 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
     rec.check("start-up refused with the reason", expect in msg, msg[:500])
     rec.write(evidence_root)
     assert expect in msg, msg
+
+
+FLASH_CONTEXT = 1048576
+KV_BYTES = 768 << 20
+CONCURRENT = 16
+
+
+def _metric(srv, name: str) -> float:
+    import urllib.request
+
+    text = urllib.request.urlopen(f"{srv.base_url}/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root):
+    """DeepSeek's published layout (native names and keys, Flash's yarn over 1M positions, hash layers,
+    CSA 4 / HCA 128, MTP entries) served at max_model_len 1048576 with 768 MiB of KV cache: 16 short
+    requests run at once (each holds pages for its own tokens, not for 1M), every greedy token equals
+    transformers', and a long prompt sent again with a new tail is served from the prefix cache."""
+    import threading
+    import time
+
+    hf_dir, native = make_native_hca128(tmp_path_factory.mktemp("dsv4flash"), long_context=True)
+    model = hf_model(hf_dir)
+    short = prompts([5 + (135 * i) // (CONCURRENT - 1) for i in range(CONCURRENT)], seed=41)  # 5 .. 140 tokens
+    # prefix hits are whole blocks of every cache: the HCA entries' block (128 tokens x 32 rows) is the longest
+    long_prompt, tail = prompts([4200, 40], seed=42)
+    args = [
+        "--dtype", "float32", "--enforce-eager", "--max-model-len", str(FLASH_CONTEXT),
+        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", str(CONCURRENT),
+        "--enable-prefix-caching", "--max-num-batched-tokens", "4096",
+    ]  # fmt: skip
+    rec = EvidenceRecord(model="deepseek_v4", gate="flash_layout_1m_context")
+    with VllmServer(native, args=args, startup_timeout=900) as srv:
+        rec.command(" ".join(srv.cmd))
+        results, running = [None] * CONCURRENT, [0.0]
+        done = threading.Event()
+
+        def poll():
+            while not done.is_set():
+                running[0] = max(running[0], _metric(srv, "vllm:num_requests_running"))
+                time.sleep(0.05)
+
+        def ask(i):
+            results[i] = _served_ids(srv, short[i])
+
+        watcher = threading.Thread(target=poll)
+        watcher.start()
+        askers = [threading.Thread(target=ask, args=(i,)) for i in range(CONCURRENT)]
+        for t in askers:
+            t.start()
+        for t in askers:
+            t.join()
+        done.set()
+        watcher.join()
+        hits_before = _metric(srv, "vllm:prefix_cache_hits_total")
+        long_runs = [_served_ids(srv, long_prompt), _served_ids(srv, long_prompt[:4100] + tail)]
+        hits = _metric(srv, "vllm:prefix_cache_hits_total") - hits_before
+    want = [hf_greedy(model, p, N_TOKENS) for p in short]
+    want_long = [hf_greedy(model, p, N_TOKENS) for p in (long_prompt, long_prompt[:4100] + tail)]
+    rec.metric("prompt_lengths", [len(p) for p in short])
+    rec.metric("max_requests_running", running[0])
+    rec.metric("prefix_cache_hits", hits)
+    ok = [
+        rec.check(f"{CONCURRENT} requests ran at once", running[0] == CONCURRENT, str(running[0])),
+        rec.check("served greedy tokens == transformers greedy", results == want, str(results)),
+        rec.check("long prompts: served greedy tokens == transformers greedy", long_runs == want_long),
+        rec.check("the shared 4096 tokens are served from the prefix cache", hits >= 4096, str(hits)),
+    ]
+    rec.write(evidence_root)
+    assert all(ok), rec.checks

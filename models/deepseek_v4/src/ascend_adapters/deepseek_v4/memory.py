@@ -1,18 +1,18 @@
 """Memory of DeepSeek-V4 on this adapter, derived from a config (no hand-entered numbers).
 
-* ``state_shapes``: the attention state of one layer (window, input ring, compressed entries,
-  indexer keys), the same page for every layer; the model sizes vLLM's state cache with it.
-* ``state_bytes_per_sequence``: the attention state vLLM reserves per sequence today: every layer
-  carries that page (float32), sized for ``max_model_len`` whatever the request's length.
-* ``paged_state_bytes``: what a paged design would hold for a sequence of ``tokens`` tokens: per
-  layer only what its type needs (sliding: the window; CSA: window + ring of 2*rate inputs +
-  tokens/rate entries + indexer keys; HCA: window + ring of rate inputs + tokens/rate entries), in
-  ``dtype_bytes`` per value.
+* ``layer_caches``: the paged caches an attention layer of each type declares to vLLM (one KV-cache
+  spec each, the same page size for all): sliding layers the window; CSA layers the window, the
+  compressor's pending inputs, one entry and one indexer key per ``rate`` tokens; HCA layers the
+  window, the pending inputs and one entry per ``rate`` tokens. ``attention.py`` builds its specs
+  from these.
+* ``request_cache_bytes``: the pages vLLM holds for one request of ``tokens`` tokens (blocks of a
+  full cache for every token; a sliding cache at most its window's blocks), every layer.
 * ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC and router
   float32), with the routed experts split over ``ep`` devices and the attention / shared / embedding
   weights over ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated),
   plus vLLM's float32 rotary cos/sin tables (one per rope set, ``rope_table_bytes``).
-* ``concurrency``: sequences whose state fits a device after its weights.
+* ``concurrency``: requests of a length whose caches fit a device after its weights (the caches are
+  replicated on every tensor-parallel rank: one shared K=V head).
 """
 
 from __future__ import annotations
@@ -88,65 +88,6 @@ def request_cache_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
     return sum(g.blocks(tokens) * page for t in served_layer_types(config) for g in layer_caches(config, t).values())
 
 
-def rollback_slack(num_speculative_tokens: int) -> int:
-    """Extra ring rows so rejected draft tokens never overwrite a row still read.
-
-    A verify step writes positions up to ``p + k`` and the MTP drafter's steps up to ``p + 2k - 1``,
-    while the next step may restart at ``p + 1``: the rings must keep the ``W - 1`` (window) or ``R``
-    (compressor input) positions before the restart, so they need ``2k`` more rows than without
-    speculation. Compressed entries and indexer keys need none: a window's entry is rewritten when
-    the window closes again, before any query may see it."""
-    return 2 * int(num_speculative_tokens or 0)
-
-
-def state_dims(config, max_model_len: int, num_speculative_tokens: int = 0) -> dict:
-    """Per-layer state sizes shared by every attention layer (uniform page)."""
-    types = set(config.layer_types) if compressed_enabled() else {LAYER_SLIDING}
-    rates = config.compress_rates
-    csa = rates.get(LAYER_CSA, 4) if LAYER_CSA in types else None
-    hca = rates.get(LAYER_HCA, 128) if LAYER_HCA in types else None
-    ring = max([1] + ([2 * csa] if csa else []) + ([hca] if hca else []))
-    min_rate = min([r for r in (csa, hca) if r] or [0]) or None
-    entries = (max_model_len // min_rate + 1) if min_rate else 1
-    slack = rollback_slack(num_speculative_tokens)
-    return {
-        "window": int(config.sliding_window) + slack,
-        "ring": int(ring) + slack,
-        "entries": int(entries),
-        "index_dim": int(config.index_head_dim) if csa else 1,
-    }
-
-
-def state_shapes(config, max_model_len: int, num_speculative_tokens: int = 0) -> tuple[tuple[int, ...], ...]:
-    d = state_dims(config, max_model_len, num_speculative_tokens)
-    return (
-        (d["window"], config.head_dim),
-        (d["ring"], config.hidden_size),
-        (d["entries"], config.head_dim),
-        (d["entries"], d["index_dim"]),
-    )
-
-
-def state_bytes_per_sequence(config, max_model_len: int) -> int:
-    per_layer = sum(math.prod(s) for s in state_shapes(config, max_model_len)) * 4  # float32 state
-    return per_layer * int(config.num_hidden_layers)
-
-
-def paged_state_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
-    w, hd, h = int(config.sliding_window), int(config.head_dim), int(config.hidden_size)
-    total = 0
-    for kind in config.layer_types:
-        values = min(tokens, w) * hd
-        if kind != LAYER_SLIDING:
-            rate = int(config.compress_rates[kind])
-            entries = tokens // rate
-            values += (2 * rate if kind == LAYER_CSA else rate) * h + entries * hd
-            if kind == LAYER_CSA:
-                values += entries * int(config.index_head_dim)
-        total += values
-    return total * dtype_bytes
-
-
 def parameter_counts(config) -> dict:
     """Parameters by placement: ``experts`` (routed, split by EP), ``tp`` (split by TP), ``replicated``,
     and ``float32`` (mHC and router, replicated, kept float32 whatever the model dtype)."""
@@ -186,10 +127,10 @@ def weight_bytes_per_device(config, tp: int, ep: int, dtype_bytes: int = 2) -> i
     return per_device + rope_table_bytes(config)
 
 
-def concurrency(config, max_model_len: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:
-    """Sequences of ``max_model_len`` whose (replicated) attention state fits one device after its weights."""
+def concurrency(config, tokens: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:
+    """Requests of ``tokens`` tokens whose caches fit one device after its weights."""
     free = device_bytes - weight_bytes_per_device(config, tp, ep, dtype_bytes)
-    return max(0, free // state_bytes_per_sequence(config, max_model_len))
+    return max(0, free // request_cache_bytes(config, tokens, dtype_bytes))
 
 
 def flash_config():
@@ -231,12 +172,11 @@ def flash_config():
 def flash_table(device_gib: int = 64, tp: int = 16, ep: int = 16) -> list[dict]:
     cfg = flash_config()
     rows = []
-    for length in (4096, 32768, 131072, 1048576):
+    for length in (4096, 131072, 1048576):
         rows.append(
             {
-                "max_model_len": length,
-                "state_bytes_per_sequence": state_bytes_per_sequence(cfg, length),
-                "paged_bf16_bytes_at_full_length": paged_state_bytes(cfg, length, 2),
+                "tokens": length,
+                "request_cache_bytes": request_cache_bytes(cfg, length, 2),
                 "concurrency": concurrency(cfg, length, device_gib << 30, tp, ep),
             }
         )
@@ -260,20 +200,15 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
     cfg = flash_config()
     weights = weight_bytes_per_device(cfg, tp, ep)
     lines = [
-        f"attention state (DeepSeek-V4-Flash shape, memory.py): float32, every layer, sized for max_model_len "
-        f"whatever the request's length; a paged design would hold only what each layer type needs for the "
-        f"request's own length (bf16); sequences fitting a {device_gib} GiB device after {_size(weights)} of "
-        f"weights at TP{tp}/EP{ep}:"
+        f"attention state (DeepSeek-V4-Flash shape, memory.py): paged by vLLM, bf16, each layer only what its "
+        f"type needs for the request's own tokens (sliding: window; CSA: window, pending inputs, an entry and "
+        f"an indexer key per 4 tokens; HCA: window, pending inputs, an entry per 128 tokens); requests fitting "
+        f"a {device_gib} GiB device after {_size(weights)} of weights at TP{tp}/EP{ep}:"
     ]
     for r in flash_table(device_gib, tp, ep):
         lines.append(
-            f"  max_model_len {_length(r['max_model_len'])}: {_size(r['state_bytes_per_sequence'])} per sequence "
-            f"(paged at full length: {_size(r['paged_bf16_bytes_at_full_length'])}), "
-            f"{r['concurrency']} sequence(s) per device"
+            f"  {_length(r['tokens'])} tokens: {_size(r['request_cache_bytes'])} per request, "
+            f"{r['concurrency']} request(s) per device"
         )
-    longest = max(r["max_model_len"] for r in flash_table(device_gib, tp, ep))
-    lines.append(
-        f"  a {short}-token request at max_model_len {_length(longest)} reserves "
-        f"{_size(state_bytes_per_sequence(cfg, longest))}; paged it would need {_size(paged_state_bytes(cfg, short))}"
-    )
+    lines.append(f"  a {short}-token request holds {_size(request_cache_bytes(cfg, short))}, whatever max_model_len")
     return lines
