@@ -18,9 +18,9 @@ def test_request_caches_follow_the_published_shape():
     cfg = M.flash_config()
     page = 16 * 4096 * 2
 
-    def blocks(n, per_block, window=None):
-        full = -(-n // per_block)
-        return full if window is None else min(full, -(-(window - 1) // per_block) + 1)
+    def blocks(n, per_block, window=None):  # the blocks holding positions [n - window, n) or [0, n)
+        first = 0 if window is None else max(0, n - window)
+        return (n - 1) // per_block - first // per_block + 1
 
     for n in (100, 4096, 1048576):
         window = blocks(n, 128, 128)  # 128 positions of 512 per page

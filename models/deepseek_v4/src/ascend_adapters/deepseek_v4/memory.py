@@ -5,8 +5,9 @@
   compressor's pending inputs, one entry and one indexer key per ``rate`` tokens; HCA layers the
   window, the pending inputs and one entry per ``rate`` tokens. ``attention.py`` builds its specs
   from these.
-* ``request_cache_bytes``: the pages vLLM holds for one request of ``tokens`` tokens (blocks of a
-  full cache for every token; a sliding cache at most its window's blocks), every layer.
+* ``request_cache_bytes``: the pages vLLM holds for one request of ``tokens`` tokens (a full cache's
+  blocks up to its last token; a sliding cache's blocks of its last window), every layer; the memory
+  bench compares it with the blocks vLLM's scheduler really holds.
 * ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC and router
   float32), with the routed experts split over ``ep`` devices and the attention / shared / embedding
   weights over ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated),
@@ -46,11 +47,13 @@ class CacheGeometry:
     sliding_window: int | None  # a step reads the sliding_window - 1 positions before its first; None: all
 
     def blocks(self, tokens: int) -> int:
-        """Blocks vLLM holds for a request of ``tokens`` positions after its last step."""
-        full = -(-tokens // self.block_size)
-        if self.sliding_window is None:
-            return full
-        return min(full, -(-(self.sliding_window - 1) // self.block_size) + 1)
+        """Blocks vLLM holds for a request whose cache reaches ``tokens`` positions (the next token's
+        slot included): a full cache every block up to there; a sliding cache the blocks of its last
+        ``sliding_window`` positions (vLLM frees the blocks wholly behind them)."""
+        if tokens <= 0:
+            return 0
+        first = 0 if self.sliding_window is None else max(0, tokens - self.sliding_window)
+        return (tokens - 1) // self.block_size - first // self.block_size + 1
 
 
 def page_values(config) -> int:
