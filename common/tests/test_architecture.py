@@ -23,13 +23,23 @@ COMPAT = COMMON_SRC / "compat"
 TESTING = "ascend_adapters.testing"
 ADAPTERS = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "src" / "ascend_adapters" / p.name).is_dir())
 ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kernels.py", "tiny.py")
-# Rooms an adapter has when it has the role: mtp.py, the drafter of a model that drafts with its own MTP layers.
-OPTIONAL_ROOMS = ("mtp.py",)
+# Rooms an adapter has when it has the role: mtp.py, the drafter of a model that drafts with its own MTP layers;
+# backend.py, the attention backend (metadata builder) of a model whose layers attend over their own paged caches.
+OPTIONAL_ROOMS = ("mtp.py", "backend.py")
 # Files an adapter may have besides its rooms, each with a role docs/architecture.md names.
 EXTRA_ROOMS = {
     "rwkv7": {"tokenizer.py", "convert.py"},
-    "glm_dsa": {"arch.py", "backend.py"},
-    "deepseek_v4": {"moe.py", "dequant.py", "memory.py", "mhc.py"},
+    "glm_dsa": {"arch.py"},
+    "deepseek_v4": {
+        "attention.py",
+        "compressor.py",
+        "indexer.py",
+        "rope.py",
+        "moe.py",
+        "dequant.py",
+        "memory.py",
+        "mhc.py",
+    },
 }
 HEAVY = ("torch", "vllm", "transformers", "torch_npu")
 VERSION_NAMES = {"engine_version"}
@@ -184,7 +194,7 @@ def test_hook_module_is_light(adapter):
 
 def test_architecture_doc_names_every_room():
     doc = (ROOT / "docs" / "architecture.md").read_text()
-    for room in ROOMS:
+    for room in ROOMS + OPTIONAL_ROOMS:
         assert f"`{room}`" in doc, room
     for adapter, extra in EXTRA_ROOMS.items():
         for room in extra:
