@@ -40,6 +40,8 @@ from ascend_adapters.deepseek_v4.memory import ENTRIES, INDEX, PENDING, WINDOW, 
 from ascend_adapters.deepseek_v4.rope import apply_rope, deepseek_v4_rope
 
 op = dispatch.op
+# queries per attention call of one request (see DeepseekV4Attention._seq)
+QUERY_TILE = 256
 
 
 def _sharded_loader(dim: int):
@@ -225,33 +227,42 @@ class DeepseekV4Attention(nn.Module):
     # -- one request -------------------------------------------------------------------------
     def _seq(self, x, q, kv, qr, pos0: int, caches: RequestCaches | None):
         """Attention for one request's ``n`` new tokens at positions pos0..pos0+n-1 (``caches`` None:
-        a stateless profile run of this chunk alone)."""
+        a stateless profile run of this chunk alone). Queries go ``QUERY_TILE`` at a time, each tile
+        over its own window keys and the entries, so a long chunk's score matrix stays
+        ``QUERY_TILE x (W - 1 + QUERY_TILE + entries)``."""
         n = x.shape[0]
         dev = x.device
         qpos = torch.arange(pos0, pos0 + n, device=dev)
         W = self.window
         # sliding-window keys: the W-1 positions before pos0 (from the window cache) + the new ones
-        lo = max(0, pos0 - W + 1)
-        prev_pos = torch.arange(lo, pos0, device=dev)
+        prev_pos = torch.arange(max(0, pos0 - W + 1), pos0, device=dev)
         if caches is not None and prev_pos.numel():
             prev_kv = caches.read(WINDOW, prev_pos).to(kv.dtype)
         else:
             prev_pos = prev_pos[:0]
             prev_kv = kv.new_zeros((0, kv.shape[1]))
-        keys = torch.cat([prev_kv, kv], 0)
-        kpos = torch.cat([prev_pos, qpos])
-        allowed = (kpos[None, :] <= qpos[:, None]) & (qpos[:, None] - kpos[None, :] < W)
-
+        window_keys = torch.cat([prev_kv, kv], 0)
+        window_pos = torch.cat([prev_pos, qpos])
+        first = pos0 - prev_kv.shape[0]  # position of window_keys[0]
         if self.compressor is not None:
             entries, idx_entries, n_entries = self._compress(x, pos0, caches)
-            visible = torch.arange(n_entries, device=dev)[None, :] < ((qpos + 1) // self.rate)[:, None]
-            if self.layer_type == LAYER_CSA and n_entries:
-                visible = self._index(x, qr, qpos, idx_entries, visible)
-            keys = torch.cat([keys, entries], 0)
-            allowed = torch.cat([allowed, visible], 1)
+        out = []
+        for a in range(0, n, QUERY_TILE):
+            b = min(n, a + QUERY_TILE)
+            tpos = qpos[a:b]
+            lo, hi = max(0, pos0 + a - W + 1 - first), pos0 + b - first
+            keys, kpos = window_keys[lo:hi], window_pos[lo:hi]
+            allowed = (kpos[None, :] <= tpos[:, None]) & (tpos[:, None] - kpos[None, :] < W)
+            if self.compressor is not None:
+                visible = torch.arange(n_entries, device=dev)[None, :] < ((tpos + 1) // self.rate)[:, None]
+                if self.layer_type == LAYER_CSA and n_entries:
+                    visible = self._index(x[a:b], qr[a:b], tpos, idx_entries, visible)
+                keys = torch.cat([keys, entries], 0)
+                allowed = torch.cat([allowed, visible], 1)
+            out.append(op("dsv4.sink_attention")(q[a:b], keys, allowed, self.sinks, self.scale))
         if caches is not None:
             caches.write(WINDOW, qpos, kv)
-        return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
+        return torch.cat(out, 0)
 
     def _compress(self, x, pos0: int, caches: RequestCaches | None):
         """Emit the entries of windows that close in this chunk; return all entries so far."""
