@@ -69,6 +69,7 @@ COMMON_ROOMS = {
     "evidence",
     "tokenizer.py",
     "versions.py",
+    "attention_backend.py",
 }
 
 

@@ -3,13 +3,18 @@
 One engine (float32, the tiny checkpoint: window 16, CSA rate 4 with indexer top-4, HCA rate 16),
 prefix caching on, chunked prefill with a 256-token budget (a prompt that shares a step with other
 requests' tokens is split inside a compression window),
-and a KV cache that holds about one max_model_len request. Batches, in order:
+and a KV cache of ``_kv_bytes`` (vLLM's start-up check for one max_model_len request, with a quarter more).
+Batches, in order:
 
 1. a 640-token prompt alone: 40 HCA entries, 160 CSA entries, several blocks of every cache;
 2. its first 576 tokens and a new tail: served from vLLM's prefix cache (its counters show hits);
 3. another long prompt batched with three short ones;
 4. four prompts of max_model_len - 8 tokens at once, in a cache that holds about one: they wait for
-   each other's blocks (recomputation after preemption is not shown yet: vLLM admitted them one by one).
+   each other's blocks;
+5. eight 16-token prompts generating 300 tokens each: all are admitted in the first step (8 x 16 tokens
+   within the budget, 8 x 12 pages of the cache's 150) and decode together until their caches outgrow it
+   (8 x 23 pages at 316 tokens): vLLM preempts requests mid-generation and recomputes them
+   (``vllm:num_preemptions``).
 
 Every generated step's logits are within 1e-3 of transformers run on the same tokens and the greedy
 tokens are identical.
@@ -23,7 +28,7 @@ import pytest
 from _dsv4_cases import hf_model, prompts, reference_fn
 
 from ascend_adapters.common.evidence import EvidenceRecord
-from ascend_adapters.deepseek_v4.memory import layer_caches, page_values
+from ascend_adapters.deepseek_v4.memory import layer_caches, page_values, request_cache_bytes
 from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
 from ascend_adapters.testing.engine_worker import engine_run
 
@@ -33,6 +38,7 @@ MAX_MODEL_LEN = 1024
 LONG, SHARED, SHORT = 640, 576, (5, 17, 33)
 BUDGET = 256
 FULL = MAX_MODEL_LEN - MAX_TOKENS  # batch 4: prompts that fill max_model_len
+PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 8, 16, 300  # batch 5
 
 
 def _hit_unit(config) -> int:
@@ -66,6 +72,7 @@ def served(tmp_path_factory):
         [first[:SHARED] + tail],
         [second, *prompts(SHORT, seed=33)],
         prompts([FULL] * 4, seed=34),
+        prompts([PREEMPT_PROMPT] * PREEMPT_SEQS, seed=35),
     ]
     llm_kwargs = {
         "dtype": "float32",
@@ -74,11 +81,11 @@ def served(tmp_path_factory):
         "enable_prefix_caching": True,
         "enable_chunked_prefill": True,
         "max_num_batched_tokens": BUDGET,
-        "max_num_seqs": 4,
+        "max_num_seqs": PREEMPT_SEQS,
         # eager: the compiled path is test_deepseek_v4_compiled's
         "enforce_eager": True,
     }
-    batches = engine_run(model_dir, runs, MAX_TOKENS, llm_kwargs)
+    batches = engine_run(model_dir, runs, [MAX_TOKENS] * 4 + [PREEMPT_TOKENS], llm_kwargs)
     return model_dir, cfg, llm_kwargs, batches
 
 
@@ -89,7 +96,8 @@ def test_paged_state_at_length_with_prefix_cache(served, evidence_root):
     ref = reference_fn(hf_model(model_dir))
     rec = EvidenceRecord(model="deepseek_v4", gate="paged_long_context")
     rec.command(
-        f"vllm.LLM({model_dir.name}, {llm_kwargs}) greedy {MAX_TOKENS} tokens, raw logits, 4 batches on one "
+        f"vllm.LLM({model_dir.name}, {llm_kwargs}) greedy {MAX_TOKENS} tokens ({PREEMPT_TOKENS} in batch 5), "
+        "raw logits, 5 batches on one "
         "engine; reference transformers DeepseekV4ForCausalLM float32 on the same tokens"
     )
     worst, identical, rows = 0.0, True, []
@@ -116,6 +124,23 @@ def test_paged_state_at_length_with_prefix_cache(served, evidence_root):
             f"prefix-cache hit: the shared {SHARED} tokens give {expected_hit} cached (whole {unit}-token units)",
             expected_hit > 0 and batches[1]["rows"][0]["num_cached_tokens"] == expected_hit and batches[1]["hits"] > 0,
             f"cached {batches[1]['rows'][0]['num_cached_tokens']}, hits {batches[1]['hits']}",
+        ),
+    ]
+    # batch 5 preempts only if its requests fit the cache at their prompts and outgrow it while decoding
+    pool_pages = _kv_bytes(cfg) // (page_values(cfg) * 4)
+    pages = [
+        request_cache_bytes(cfg, n, 4) // (page_values(cfg) * 4)
+        for n in (PREEMPT_PROMPT + 1, PREEMPT_PROMPT + PREEMPT_TOKENS)
+    ]
+    preempted = batches[4]["counters"].get("vllm:num_preemptions", 0)
+    ok += [
+        rec.check(
+            f"batch 5 admitted at once and outgrows the cache: {PREEMPT_SEQS} x {pages[0]} <= {pool_pages} < "
+            f"{PREEMPT_SEQS} x {pages[1]} pages",
+            PREEMPT_SEQS * pages[0] <= pool_pages < PREEMPT_SEQS * pages[1],
+        ),
+        rec.check(
+            "batch 5 preempted requests mid-generation (vLLM's preemption counter)", preempted > 0, f"{preempted}"
         ),
     ]
     rec.write(evidence_root)

@@ -2,7 +2,8 @@
 tokens and their raw logits, per batch vLLM's own counters (``engine_run``).
 
 ``python -m ascend_adapters.testing.engine_worker SPEC_JSON OUT_PT``; the spec holds ``model``, ``runs``
-(a list of batches of token-id prompts), ``max_tokens`` and ``llm_kwargs``. No prompt
+(a list of batches of token-id prompts), ``max_tokens`` (one for all batches, or one per batch) and
+``llm_kwargs``. No prompt
 logprobs are asked for: vLLM does not read the prefix cache for requests that want them.
 Before and after each batch the engine's counters are read (``LLM.get_metrics``): prefix-cache
 hits and queries, preemptions, and the speculative decoding counters (drafts, draft tokens, accepted tokens,
@@ -64,11 +65,12 @@ def main(spec_path, out_path):
         **spec["llm_kwargs"],
     )
     vocab = llm.llm_engine.model_config.get_vocab_size()
-    params = SamplingParams(
-        temperature=0.0, max_tokens=spec["max_tokens"], logprobs=-1, detokenize=False, ignore_eos=True
-    )
+    limits = spec["max_tokens"]
+    if isinstance(limits, int):
+        limits = [limits] * len(spec["runs"])
     out = []
-    for batch in spec["runs"]:
+    for batch, limit in zip(spec["runs"], limits, strict=True):
+        params = SamplingParams(temperature=0.0, max_tokens=limit, logprobs=-1, detokenize=False, ignore_eos=True)
         before = counters(llm)
         results = llm.generate([{"prompt_token_ids": p} for p in batch], params, use_tqdm=False)
         after = counters(llm)
@@ -102,7 +104,7 @@ def main(spec_path, out_path):
     torch.save(out, out_path)
 
 
-def engine_run(model_dir, runs, max_tokens: int, llm_kwargs: dict, env: dict | None = None) -> list[dict]:
+def engine_run(model_dir, runs, max_tokens: int | list[int], llm_kwargs: dict, env: dict | None = None) -> list[dict]:
     """This module on one engine in a subprocess: per batch of ``runs``, its rows (prompt, generated
     tokens, raw logits of each generated step, cached prompt tokens) and vLLM's counters over that batch."""
     import torch

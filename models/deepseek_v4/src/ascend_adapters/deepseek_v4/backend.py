@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
-    AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
 
-from ascend_adapters.common import compat
+from ascend_adapters.common.attention_backend import LayerAttentionBackend
 
 
 @dataclass
@@ -53,35 +51,7 @@ class DeepseekV4CacheMetadataBuilder(AttentionMetadataBuilder[DeepseekV4CacheMet
         )
 
 
-class DeepseekV4CacheImpl(AttentionImpl):
-    """Placeholder: the attention layer computes attention itself (``attention.py``)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def forward(self, *args, **kwargs):  # pragma: no cover - never called
-        raise NotImplementedError("DeepseekV4CacheImpl is not called; DeepseekV4Attention computes attention")
-
-
-class DeepseekV4CacheBackend(AttentionBackend):
-    supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
-    forward_includes_kv_cache_update = True
-
-    @staticmethod
-    def get_name() -> str:
-        # vLLM's enum has no entry for out-of-tree backends; the name is only logged.
-        return "CUSTOM"
-
-    @staticmethod
-    def get_impl_cls():
-        return DeepseekV4CacheImpl
-
+class DeepseekV4CacheBackend(LayerAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return DeepseekV4CacheMetadataBuilder
-
-    get_kv_cache_shape = staticmethod(compat.latent_kv_cache_shape)  # asked by vLLM 0.27/0.28 only
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True

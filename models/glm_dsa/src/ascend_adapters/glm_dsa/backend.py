@@ -15,15 +15,13 @@ from dataclasses import dataclass
 
 import torch
 from vllm.v1.attention.backend import (
-    AttentionBackend,
     AttentionCGSupport,
-    AttentionImpl,
     AttentionMetadata,
     AttentionMetadataBuilder,
     CommonAttentionMetadata,
 )
 
-from ascend_adapters.common import compat
+from ascend_adapters.common.attention_backend import LayerAttentionBackend
 
 
 @dataclass
@@ -125,35 +123,7 @@ def step_metadata(
     )
 
 
-class GlmDsaImpl(AttentionImpl):
-    """Placeholder: the layer computes attention itself (portable kernels)."""
-
-    def __init__(self, *args, **kwargs) -> None:
-        pass
-
-    def forward(self, *args, **kwargs):  # pragma: no cover - never called
-        raise NotImplementedError("GlmDsaImpl is not called; the DSA layer computes attention")
-
-
-class GlmDsaPortableBackend(AttentionBackend):
-    supported_dtypes = [torch.float32, torch.float16, torch.bfloat16]
-    forward_includes_kv_cache_update = True
-
-    @staticmethod
-    def get_name() -> str:
-        # vLLM's enum has no entry for out-of-tree backends; the name is only logged.
-        return "CUSTOM"
-
-    @staticmethod
-    def get_impl_cls():
-        return GlmDsaImpl
-
+class GlmDsaPortableBackend(LayerAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return GlmDsaMetadataBuilder
-
-    get_kv_cache_shape = staticmethod(compat.latent_kv_cache_shape)  # asked by vLLM 0.27/0.28 only
-
-    @classmethod
-    def is_mla(cls) -> bool:
-        return True
