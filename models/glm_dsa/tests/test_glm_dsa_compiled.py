@@ -10,13 +10,15 @@ the eager gate's bound.
 Capture safety (in process, no engine): a decode-only step and a mixed step (decodes and a
 prefill chunk) run the model forward under a dispatch mode that records every op that reads a
 device value on the host or has a data-dependent output shape (PyTorch tags those ops), looking
-inside the registered attention op as well. The attention builder declares no full-graph support
-(``AttentionCGSupport.NEVER``, see backend.py); what the pieces around it and the op itself do is
-what this test proves.
+inside the registered attention op as well, once on the portable kernels and once on the NPU
+implementations through the torch_npu contract emulator (each torch_npu call one device kernel).
+The attention builder declares no full-graph support (``AttentionCGSupport.NEVER``, see backend.py);
+what the pieces around it and the op itself do is what this test proves.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -24,7 +26,7 @@ import torch
 from _glm_dsa_ref import Reference, build, random_prompts, step_metadata
 
 from ascend_adapters.common.evidence import EvidenceRecord
-from ascend_adapters.testing.capture import PROBE, HostReads, compiled
+from ascend_adapters.testing.capture import PROBE, HostReads, compiled, emulated_npu_kernels
 from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # the eager parity gate's bound (test_glm_dsa_parity.TOL); inductor only reorders float32 sums
@@ -141,14 +143,21 @@ def _forward_under_detector(inprocess_model, query_lens, seq_lens):
     return out, mode
 
 
+# the torch_npu operators GLM-DSA's NPU implementations call in a step (common.rope_interleaved, glm_dsa.cache_rows)
+NPU_KERNELS = {"torch_npu.npu_rotary_mul", "torch_npu.npu_gather_sparse_index"}
+
+
 # a decode-only step; and two decodes with a prefill chunk of 12 tokens continuing a 20-token context
 @pytest.mark.vllm
+@pytest.mark.parametrize("kernels", ["portable", "emulated_npu"])
 @pytest.mark.parametrize(
     "query_lens,seq_lens", [([1, 1, 1], [30, 9, 17]), ([1, 1, 12], [25, 6, 32])], ids=["decode", "mixed"]
 )
-def test_step_reads_no_device_value_on_host(inprocess_model, query_lens, seq_lens):
-    out, mode = _forward_under_detector(inprocess_model, query_lens, seq_lens)
+def test_step_reads_no_device_value_on_host(inprocess_model, query_lens, seq_lens, kernels):
+    with emulated_npu_kernels() if kernels == "emulated_npu" else contextlib.nullcontext():
+        out, mode = _forward_under_detector(inprocess_model, query_lens, seq_lens)
     assert mode.custom_ops.count("vllm.glm_dsa_attention.default") == len(inprocess_model[2])
+    assert set(mode.kernels) == (NPU_KERNELS if kernels == "emulated_npu" else set()), mode.kernels
     assert mode.seen == [], mode.seen
     assert torch.isfinite(out).all()
 

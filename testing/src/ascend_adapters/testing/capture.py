@@ -2,11 +2,18 @@
 
 ``HostReads`` is the capture-safety check: a forward run under it records every op whose result a
 captured graph would freeze or whose output shape depends on data, inside the model's registered
-ops too. ``compilation_counters`` runs in vLLM's worker (``parity.vllm_logits(probe=...)``) and
-returns vLLM's compilation counter there.
+ops too. ``emulated_npu_kernels`` sends the same forward down the NPU implementations through the
+torch_npu contract emulator, each torch_npu call seen by the detector as one device kernel.
+``compilation_counters`` runs in vLLM's worker (``parity.vllm_logits(probe=...)``) and returns vLLM's
+compilation counter there.
 """
 
 from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import sys
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -49,19 +56,36 @@ class HostReads(TorchDispatchMode):
     A dispatch mode sees a registered custom op as one call and does not see inside it; an op
     registered in Python (namespace ``vllm``: the model's attention op, vLLM's own layer ops) is run
     through its CPU kernel with the mode pushed again, so its body is checked too. vLLM's compiled
-    kernels (``_C``) are the platform's and are not entered."""
+    kernels (``_C``) are the platform's and are not entered. A torch_npu call under
+    ``emulated_npu_kernels`` is one NPU kernel launch too: it is listed in ``kernels``, and what the
+    emulator computes on the host to stand in for it is not recorded."""
+
+    _active: list[HostReads] = []  # the outermost entered detectors, innermost last
 
     def __init__(self):
         super().__init__()
         self.seen: list[str] = []
         self.custom_ops: list[str] = []
+        self.kernels: list[str] = []  # torch_npu calls (emulated NPU kernels)
         self.outside: list[str] = []  # the reads of ``seen`` made outside every Python-registered op
+        self.inside: dict[str, list[str]] = {}  # the others, by the innermost registered op they were made in
         self._inside: list[str] = []
+        self._in_kernel = 0
+
+    @contextlib.contextmanager
+    def device_kernel(self, name: str):
+        self.kernels.append(name)
+        self._in_kernel += 1
+        try:
+            yield
+        finally:
+            self._in_kernel -= 1
 
     def __enter__(self):
         # entered again for each registered op's body: Tensor.tolist is wrapped by the outermost entry only
         self._depth = getattr(self, "_depth", 0) + 1
         if self._depth == 1:
+            HostReads._active.append(self)
             self._tolist = tolist = torch.Tensor.tolist
 
             def recording_tolist(t, *args, **kwargs):
@@ -75,10 +99,13 @@ class HostReads(TorchDispatchMode):
         self._depth -= 1
         if self._depth == 0:
             torch.Tensor.tolist = self._tolist
+            HostReads._active.remove(self)
         return super().__exit__(*exc)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._in_kernel:
+            return func(*args, **kwargs)
         if breaks_capture(func, args):
             self._record(str(func))
         if func.namespace == "vllm":  # an op registered in Python (the model's, vLLM's own layers')
@@ -92,6 +119,51 @@ class HostReads(TorchDispatchMode):
         return func(*args, **kwargs)
 
     def _record(self, what: str) -> None:
+        if self._in_kernel:
+            return
         self.seen.append(what)
-        if not self._inside:
+        if self._inside:
+            self.inside.setdefault(self._inside[-1], []).append(what)
+        else:
             self.outside.append(what)
+
+
+def _as_device_kernel(name: str, fn):
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        if not HostReads._active:
+            return fn(*args, **kwargs)
+        with HostReads._active[-1].device_kernel(name):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+@contextlib.contextmanager
+def emulated_npu_kernels():
+    """For the block, this process's CPU tensors take the NPU implementations behind ``dispatch``: the
+    torch_npu contract emulator is ``sys.modules['torch_npu']`` and ``ASCEND_ADAPTERS_NPU_EMULATOR=1``;
+    each of its operators is one device kernel to ``HostReads``. Everything is put back after."""
+    from ascend_adapters.common import platform
+    from ascend_adapters.testing import npu_emulator
+
+    module = npu_emulator.as_module()
+    for name in dir(module):
+        if name.startswith("npu_"):
+            setattr(module, name, _as_device_kernel(f"torch_npu.{name}", getattr(module, name)))
+    saved_module, saved_env = sys.modules.get("torch_npu"), os.environ.get(platform.EMULATOR_ENV)
+    sys.modules["torch_npu"] = module
+    os.environ[platform.EMULATOR_ENV] = "1"
+    platform.reset()
+    try:
+        yield
+    finally:
+        if saved_module is None:
+            sys.modules.pop("torch_npu", None)
+        else:
+            sys.modules["torch_npu"] = saved_module
+        if saved_env is None:
+            os.environ.pop(platform.EMULATOR_ENV, None)
+        else:
+            os.environ[platform.EMULATOR_ENV] = saved_env
+        platform.reset()
