@@ -9,15 +9,18 @@ function saved or loaded (0 when vLLM runs the model eager), and the logits must
 within the eager gate's bound.
 
 Capture safety (in process, no engine): a decode-only step and a mixed step run the model forward
-under ``testing.capture.HostReads``. Outside the registered ops nothing reads a device value on the
-host: the compiled pieces are capture-safe. The attention op itself still walks the step's requests
-on the host (per-request slot, boundaries and first position), so its builder declares no
-full-graph support (``AttentionCGSupport.NEVER``) and it runs eagerly between the pieces; the test
-asserts that too, so the declaration changes with the code that justifies it.
+under ``testing.capture.HostReads``, once on the portable kernels and once on the NPU implementations
+through the torch_npu contract emulator (each torch_npu call one device kernel). Outside the
+registered ops nothing reads a device value on the host: the compiled pieces are capture-safe; nor
+does the attention op, which takes each request's boundaries and first position as host values
+from the metadata builder. It still loops over the step's requests in Python, so its builder
+declares no full-graph support (``AttentionCGSupport.NEVER``) and it runs eagerly between the
+pieces; the test asserts that too, so the declaration changes with the code that justifies it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -26,7 +29,7 @@ from _dsv4_cases import hf_model, prompts, reference_fn
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
-from ascend_adapters.testing.capture import PROBE, HostReads, compiled
+from ascend_adapters.testing.capture import PROBE, HostReads, compiled, emulated_npu_kernels
 from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
 
 # the eager parity gate's bound (test_deepseek_v4_parity.TOL); inductor only reorders float32 sums
@@ -137,7 +140,9 @@ def _forward_under_detector(inprocess_model, query_lens: list[int], seq_lens: li
         for cache in attn.caches.values():
             per_request = (cache.kv_cache.shape[0] - 1) // MAX_REQUESTS
             table = torch.arange(1, 1 + len(query_lens) * per_request).view(len(query_lens), per_request)
-            md[cache.layer_name] = DeepseekV4CacheMetadata(query_start_loc=qsl, block_table=table)
+            md[cache.layer_name] = DeepseekV4CacheMetadata(
+                query_start_loc=qsl, first_positions=[s - q for q, s in zip(query_lens, seq_lens)], block_table=table
+            )
     tokens = torch.randint(2, 500, (qsl[-1],))
     positions = torch.cat([torch.arange(s - q, s) for q, s in zip(query_lens, seq_lens)])
     mode = HostReads()
@@ -149,19 +154,30 @@ def _forward_under_detector(inprocess_model, query_lens: list[int], seq_lens: li
     return mode
 
 
+# the torch_npu operators DeepSeek-V4's NPU implementations call in a step: common.swiglu (clamped,
+# the shared expert) and common.swiglu_experts (the routed experts)
+NPU_KERNELS = {"torch_npu.npu_clipped_swiglu", "torch_npu.npu_grouped_matmul"}
+
+
 @pytest.mark.vllm
+@pytest.mark.parametrize("kernels", ["portable", "emulated_npu"])
 @pytest.mark.parametrize(
     "query_lens,seq_lens", [([1, 1, 1], [30, 9, 140]), ([1, 12], [25, 40])], ids=["decode", "mixed"]
 )
-def test_compiled_pieces_read_no_device_value_on_host(inprocess_model, query_lens, seq_lens):
-    mode = _forward_under_detector(inprocess_model, query_lens, seq_lens)
+def test_compiled_pieces_read_no_device_value_on_host(inprocess_model, query_lens, seq_lens, kernels):
+    with emulated_npu_kernels() if kernels == "emulated_npu" else contextlib.nullcontext():
+        mode = _forward_under_detector(inprocess_model, query_lens, seq_lens)
     layers = inprocess_model[2]
     assert mode.custom_ops.count("vllm.dsv4_attention.default") == len(layers)
+    assert set(mode.kernels) == (NPU_KERNELS if kernels == "emulated_npu" else set()), mode.kernels
     assert mode.outside == [], mode.outside
-    # the attention op walks the requests on the host: why its builder declares no full-graph support
+    # nor inside the attention op (the builder gives it host values); the routed experts sort their
+    # routes on the host inside their own op, which runs eagerly between the pieces too
+    assert set(mode.inside) <= {"vllm.ascend_adapters_swiglu_experts.default"}, mode.inside
+    # the attention op loops over the step's requests in Python, on the builder's host lists: a captured
+    # step would replay the loop of the step it was captured in. Why its builder declares no full graph:
     from vllm.v1.attention.backend import AttentionCGSupport
 
     from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadataBuilder
 
-    assert "aten.item.default" in mode.seen, mode.seen  # each request's first position
     assert DeepseekV4CacheMetadataBuilder._cudagraph_support == AttentionCGSupport.NEVER

@@ -212,11 +212,13 @@ def inprocess_drafter(tmp_path_factory):
     return cfg, drafter, MtpReference(ckpt)
 
 
-def _metadata(cache, query_len: int):
+def _metadata(cache, query_len: int, first_position: int):
     from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadata
 
     blocks = cache.kv_cache.shape[0]
-    return DeepseekV4CacheMetadata(query_start_loc=[0, query_len], block_table=torch.arange(1, blocks)[None])
+    return DeepseekV4CacheMetadata(
+        query_start_loc=[0, query_len], first_positions=[first_position], block_table=torch.arange(1, blocks)[None]
+    )
 
 
 @pytest.mark.vllm
@@ -235,9 +237,9 @@ def test_drafter_logits_equal_the_mtp_reference(inprocess_drafter):
     m = 40
     caches = list(layer.self_attn.caches.values())
     with torch.inference_mode():
-        with set_forward_context({c.layer_name: _metadata(c, m) for c in caches}, cfg, num_tokens=m):
+        with set_forward_context({c.layer_name: _metadata(c, m, 0) for c in caches}, cfg, num_tokens=m):
             prefill = drafter.compute_logits(drafter.forward(torch.tensor(ids[1 : m + 1]), torch.arange(m), flat[:m]))
-        with set_forward_context({c.layer_name: _metadata(c, 1) for c in caches}, cfg, num_tokens=1):
+        with set_forward_context({c.layer_name: _metadata(c, 1, m) for c in caches}, cfg, num_tokens=1):
             out = drafter.forward(torch.tensor([ids[m + 1]]), torch.tensor([m]), flat[m : m + 1])
         decode = drafter.compute_logits(out)
     got = torch.cat([prefill, decode])

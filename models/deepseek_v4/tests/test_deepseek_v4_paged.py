@@ -12,8 +12,9 @@ Batches, in order:
 4. four prompts of max_model_len - 8 tokens at once, in a cache that holds about one: they wait for
    each other's blocks;
 5. eight 16-token prompts generating 300 tokens each: all are admitted in the first step (8 x 16 tokens
-   within the budget, 8 x 12 pages of the cache's 150) and decode together until their caches outgrow it
-   (8 x 23 pages at 316 tokens): vLLM preempts requests mid-generation and recomputes them
+   within the budget, 8 x 15 pages of the cache's 150 at 17 tokens) and decode together until their
+   caches outgrow it (8 x 19 pages at 316 tokens; ``memory.request_cache_bytes`` computes both, the
+   record's check names state them): vLLM preempts requests mid-generation and recomputes them
    (``vllm:num_preemptions``).
 
 Every generated step's logits are within 1e-3 of transformers run on the same tokens and the greedy

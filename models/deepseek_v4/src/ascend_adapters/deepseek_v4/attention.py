@@ -316,22 +316,22 @@ class DeepseekV4Attention(nn.Module):
 
     # -- batch -------------------------------------------------------------------------------
     def attend(self, x, q, kv, qr, positions, out) -> None:
-        """The body of ``vllm::dsv4_attention``: each request of the step over its own caches (the
-        boundaries and first position read on the host), written into ``out``."""
+        """The body of ``vllm::dsv4_attention``: each request of the step over its own caches (its
+        boundaries and first position from the metadata builder, on the host), written into ``out``."""
         md = get_forward_context().attn_metadata
         window = self.caches[WINDOW]
         md = md if isinstance(md, dict) and window.layer_name in md else None
         if md is None or window.kv_cache.numel() == 0:  # profile / dummy run: one stateless sequence
             out.copy_(self._seq(x, q, kv, qr, int(positions[0]), None))
             return
-        qsl = md[window.layer_name].query_start_loc
+        qsl, first = md[window.layer_name].query_start_loc, md[window.layer_name].first_positions
         tables = {kind: md[cache.layer_name].block_table for kind, cache in self.caches.items()}
         for i in range(len(qsl) - 1):
             a, b = qsl[i], qsl[i + 1]
             if b <= a:
                 continue
             caches = RequestCaches(self.caches, {kind: t[i] for kind, t in tables.items()})
-            out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], int(positions[a]), caches)
+            out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], first[i], caches)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

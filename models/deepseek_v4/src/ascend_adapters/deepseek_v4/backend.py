@@ -27,6 +27,7 @@ from ascend_adapters.common.attention_backend import LayerAttentionBackend
 @dataclass
 class DeepseekV4CacheMetadata(AttentionMetadata):
     query_start_loc: list[int]  # host, num_reqs + 1
+    first_positions: list[int]  # host: each request's position of its first query token this step
     block_table: torch.Tensor  # [num_reqs, max_blocks] long: this cache group's blocks of each request
 
 
@@ -45,8 +46,13 @@ class DeepseekV4CacheMetadataBuilder(AttentionMetadataBuilder[DeepseekV4CacheMet
     ) -> DeepseekV4CacheMetadata:
         m = common_attn_metadata
         n = m.num_reqs
+        qsl = m.query_start_loc_cpu[: n + 1]
+        # vLLM 0.32 keeps no host copy of the sequence lengths: one read per step here, outside the
+        # graph, instead of one per request in every layer's attention
+        first = m.seq_lens[:n].cpu() - (qsl[1:] - qsl[:-1])
         return DeepseekV4CacheMetadata(
-            query_start_loc=m.query_start_loc_cpu[: n + 1].tolist(),
+            query_start_loc=qsl.tolist(),
+            first_positions=first.tolist(),
             block_table=m.block_table_tensor[:n].to(torch.long),
         )
 
