@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from vllm.model_executor.models.config import MODELS_CONFIG_MAP, MambaModelConfig, VerifyAndUpdateConfig
 
-from ascend_adapters.common.policy import install_policy
+from ascend_adapters.common.policy import EXPERT_OPS, install_policy
 
 ARCH = "AscendAdaptersPolicyTestForCausalLM"
 
@@ -176,7 +176,9 @@ def test_status_reports_what_each_adapter_class_serves():
         assert cap["pipeline_parallel"] == want and cap["speculative_methods"] == list(hook.SPECULATIVE_METHODS)
         # graph mode: compiled exactly when the adapter names the ops vLLM must run between pieces
         assert bool(cap["compiled_classes"]) == bool(getattr(hook, "SPLITTING_OPS", ())), r
-        assert cap["splitting_ops"] == list(getattr(hook, "SPLITTING_OPS", ()))
+        # the adapter's ops first, then common's routed-expert ops: the list compile_split_at gives vLLM
+        own = list(getattr(hook, "SPLITTING_OPS", ()))
+        assert cap["splitting_ops"] == ([*own, *EXPERT_OPS] if own else []), r
     by_arch = {r["arch"]: r["capabilities"] for r in rows}
     assert by_arch["RWKV7ForCausalLM"]["compiled_classes"] == ["Rwkv7Model"]
     assert by_arch["GlmMoeDsaForCausalLM"]["compiled_classes"] == ["GlmDsaModel"]
@@ -204,7 +206,6 @@ def test_compile_split_at_keeps_compilation_on_and_adds_the_ops(monkeypatch):
     cfg = SimpleNamespace(compilation_config=CompilationConfig())
     compile_split_at(cfg, ["vllm::adapter_op"])
     ops = cfg.compilation_config.splitting_ops
-    from ascend_adapters.common.policy import EXPERT_OPS
 
     n = len(CompilationConfig._attention_ops)
     assert ops == [*CompilationConfig._attention_ops, "vllm::adapter_op", *EXPERT_OPS]

@@ -174,6 +174,13 @@ def route_mtp_draft(
 EXPERT_OPS = ("vllm::ascend_adapters_swiglu_experts", "vllm::ascend_adapters_w8a8_dynamic_moe")
 
 
+def adapter_splitting_ops(ops: Iterable[str]) -> list[str]:
+    """The ops vLLM runs eagerly between compiled pieces for an adapter whose own such ops are ``ops``:
+    those, then common's routed-expert ops (``EXPERT_OPS``), which any of its layers may call."""
+    ops = list(ops)
+    return [*ops, *(op for op in EXPERT_OPS if op not in ops)]
+
+
 def compile_split_at(vllm_config, ops: Iterable[str]) -> None:
     """Let vLLM compile an adapter's model, with its state or attention ops ``ops`` as splitting ops.
 
@@ -197,4 +204,4 @@ def compile_split_at(vllm_config, ops: Iterable[str]) -> None:
     if cc.mode not in (None, CompilationMode.VLLM_COMPILE):
         return
     current = list(type(cc)._attention_ops) if cc.splitting_ops is None else list(cc.splitting_ops)
-    cc.splitting_ops = [*current, *(op for op in (*ops, *EXPERT_OPS) if op not in current)]
+    cc.splitting_ops = [*current, *(op for op in adapter_splitting_ops(ops) if op not in current)]

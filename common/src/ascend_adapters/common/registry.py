@@ -284,6 +284,8 @@ def capabilities(target: str, speculative_methods: tuple[str, ...], splitting_op
     ``@support_torch_compile``) and the ops vLLM runs eagerly between the compiled pieces."""
     import importlib
 
+    from ascend_adapters.common.policy import adapter_splitting_ops
+
     try:
         from vllm.model_executor.models.interfaces import supports_pp
 
@@ -311,7 +313,7 @@ def capabilities(target: str, speculative_methods: tuple[str, ...], splitting_op
         "pipeline_parallel": pp,
         "speculative_methods": list(speculative_methods),
         "compiled_classes": compiled,
-        "splitting_ops": list(splitting_ops),
+        "splitting_ops": adapter_splitting_ops(splitting_ops) if splitting_ops else [],
     }
 
 
