@@ -17,6 +17,7 @@ transformers = pytest.importorskip("transformers")
 
 from ascend_adapters.common import compat  # noqa: E402
 from ascend_adapters.common.evidence import EvidenceRecord  # noqa: E402
+from ascend_adapters.testing.capture import PROBE, compiled  # noqa: E402
 from ascend_adapters.testing.modelslim import (  # noqa: E402
     msmodelslim_executable,
     patch_linears,
@@ -160,6 +161,43 @@ def test_msmodelslim_export_served_parity(exports, float_reference, mode, eviden
     assert ok_batch, bdiff
     assert ok_b, fl
     assert ok_storage, storage
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_msmodelslim_export_served_compiled(exports, mode, evidence_root):
+    """Served without enforce_eager (vLLM compiles its Llama, the W8A8 linears opaque ops between the
+    pieces or the engine's own int8 GEMM), each export matches the same plain-torch reference within the
+    eager gate's bound: inductor only reorders the float32 parts, which is what REF_MAX_ABS allows for."""
+    export = exports[mode]
+    prompts = _prompts()
+    rec = EvidenceRecord(model="common-quant", gate=f"modelslim-w8a8-{mode}-tiny-llama-compiled")
+    rec.command(f"vllm.LLM(model=<{mode} export>, quantization='modelslim', dtype='float32', enforce_eager=False)")
+    runs, counters = vllm_logits(
+        export,
+        [prompts, [prompts[-1]]],
+        max_tokens=MAX_TOKENS,
+        llm_kwargs={"quantization": "modelslim", "enforce_eager": False},
+        probe=PROBE,
+    )
+    batched, single = runs
+    rec.metric("compilation_counter", counters[0])
+    ok_compiled = rec.check("vLLM compiled the model (an AOT compile saved or loaded)", compiled(counters[0]))
+    rep = compare(batched, _reference(patch_linears(_hf_model(export), export)))
+    rec.metric("reference_max_abs_logit_diff", rep.max_abs_diff)
+    rec.metric("per_sequence", rep.per_sequence)
+    ok_ref = rec.check(
+        f"logits within {REF_MAX_ABS} of the plain-torch reference, greedy tokens identical",
+        rep.max_abs_diff <= REF_MAX_ABS and rep.tokens_identical,
+        {"max_abs_diff": rep.max_abs_diff, "bound": REF_MAX_ABS, "first_divergence": rep.first_divergence},
+    )
+    bdiff = float((batched[-1].logits - single[0].logits).abs().max())
+    rec.metric("batched_vs_single_max_abs_diff", bdiff)
+    ok_batch = rec.check("batched and single runs agree", bdiff <= REF_MAX_ABS, {"max_abs_diff": bdiff})
+    rec.write(evidence_root)
+    print(f"{mode} compiled: reference max|d|={rep.max_abs_diff:.3g}, batched vs single {bdiff:.3g}")
+    assert ok_compiled, counters
+    assert ok_ref, rep.as_dict()
+    assert ok_batch, bdiff
 
 
 def _autoselect_chain_broken() -> str | None:
