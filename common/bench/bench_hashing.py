@@ -36,7 +36,7 @@ from pathlib import Path
 from ascend_adapters.common.admission.checks import inspect_dir
 from ascend_adapters.common.admission.hashing import default_jobs, hash_files, sha256_file
 from ascend_adapters.common.admission.report import Report
-from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument
+from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument, refuse_busy_machine
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -211,6 +211,7 @@ def main() -> int:
     ap.add_argument("--dir", help="scratch directory (default: a temporary one)")
     add_evidence_dir_argument(ap)
     args = ap.parse_args()
+    refuse_busy_machine(args)
     if shutil.which("sha256sum") is None:
         print("sha256sum not found: install coreutils")
         return 2

@@ -161,7 +161,7 @@ def run(shapes, tokens, min_reps: int, budget_s: float) -> dict:
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument, refuse_busy_machine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="one small shape, few repetitions (CI smoke)")
@@ -171,6 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     add_evidence_dir_argument(ap)
     args = ap.parse_args(argv)
+    refuse_busy_machine(args)
     if args.threads:
         import torch
 

@@ -105,6 +105,24 @@ def test_bench_run_writes_ratio_record_with_load(tmp_path):
     assert set(rec["sources"]) == {"common", "testing", "tree:common/tests", "tree:common/bench"}
 
 
+def test_a_bench_refuses_to_write_a_record_on_a_busy_machine(monkeypatch, tmp_path):
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ev.add_evidence_dir_argument(ap)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.01, 0.5, 0.5))  # above 0.5 per CPU on 2 CPUs
+    with pytest.raises(SystemExit, match="load average is 1.01 on 2 CPUs"):
+        ev.refuse_busy_machine(ap.parse_args(["--evidence-dir", str(tmp_path)]))
+    ev.refuse_busy_machine(ap.parse_args(["--evidence-dir", str(tmp_path), "--allow-busy"]))  # asked for
+    monkeypatch.delenv(ev.BENCH_EVIDENCE_ENV, raising=False)
+    ap = argparse.ArgumentParser()
+    ev.add_evidence_dir_argument(ap)
+    ev.refuse_busy_machine(ap.parse_args([]))  # no record is written: nothing to refuse
+    monkeypatch.setattr(os, "getloadavg", lambda: (1.0, 3.0, 3.0))  # at the bound: idle enough
+    ev.refuse_busy_machine(ap.parse_args(["--evidence-dir", str(tmp_path)]))
+
+
 def test_a_changed_test_or_bench_script_makes_the_record_stale(tmp_path, monkeypatch):
     """The tests and benches that judged a record are covered: editing a bound there makes it stale."""
     checkout = tmp_path / "checkout"

@@ -44,7 +44,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument
+from ascend_adapters.common.evidence import BenchRun, add_evidence_dir_argument, refuse_busy_machine
 
 
 def _prompt(n: int, seed: int) -> list[int]:
@@ -389,6 +389,7 @@ def main() -> int:
     ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mtp-drafts", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    refuse_busy_machine(args)
     if args.memory_worker:
         memory_worker(*args.memory_worker)
         return 0

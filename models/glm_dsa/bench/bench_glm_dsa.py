@@ -342,7 +342,7 @@ def mtp_bench(tmp: Path, gen: int) -> dict:
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument, refuse_busy_machine
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="smoke: contexts 512/2k, fewer tokens, sparse only")
@@ -362,6 +362,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    refuse_busy_machine(args)
     if args.worker:
         return worker(args.worker)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")

@@ -511,7 +511,7 @@ def missed_targets(ratios: dict) -> list[str]:
 
 
 def main(argv=None) -> int:
-    from ascend_adapters.common.evidence import add_evidence_dir_argument
+    from ascend_adapters.common.evidence import add_evidence_dir_argument, refuse_busy_machine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="small shape (CI smoke)")
@@ -540,6 +540,7 @@ def main(argv=None) -> int:
     ap.add_argument("--_rwkv-worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_served-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    refuse_busy_machine(args)
     if args._rwkv_worker:
         return _rwkv_worker(*args._rwkv_worker)
     if args._served_worker:

@@ -348,8 +348,16 @@ def freshness_label(rec: dict, current: dict | None = None) -> str:
 BENCH_EVIDENCE_ENV = "ASCEND_ADAPTERS_EVIDENCE_DIR"
 
 
+# A 1-minute load average above this share of the CPUs: the machine is busy, timings are not an idle one's.
+BUSY_LOAD_PER_CPU = 0.5
+
+
 def _loadavg() -> list[float] | None:
     return [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
+
+
+def _busy(load: float) -> bool:
+    return load > (os.cpu_count() or 1) * BUSY_LOAD_PER_CPU
 
 
 class BenchRun:
@@ -389,7 +397,7 @@ class BenchRun:
         load = self.rec.extra["load"]
         load["end"] = _loadavg()
         busiest = max((v[0] for v in (load["start"], load["end"]) if v), default=0.0)
-        if busiest > (os.cpu_count() or 1) / 2:
+        if _busy(busiest):
             self.rec.notes.append(
                 f"1-minute load average reached {busiest} on {os.cpu_count()} CPUs: the machine was busy, "
                 "absolute times are low; ratios were measured side by side (interleaved) in the same run"
@@ -401,10 +409,31 @@ class BenchRun:
 
 
 def add_evidence_dir_argument(parser) -> None:
-    """``--evidence-dir D`` for bench scripts (default: $ASCEND_ADAPTERS_EVIDENCE_DIR, else no record)."""
+    """``--evidence-dir D`` for bench scripts (default: $ASCEND_ADAPTERS_EVIDENCE_DIR, else no record),
+    and ``--allow-busy``: see ``refuse_busy_machine``."""
     parser.add_argument(
         "--evidence-dir",
         default=os.environ.get(BENCH_EVIDENCE_ENV) or None,
         metavar="D",
         help=f"write the evidence record under D (default: ${BENCH_EVIDENCE_ENV}; unset: no record)",
     )
+    parser.add_argument(
+        "--allow-busy",
+        action="store_true",
+        help="write the record even when the machine is busy at the start (the record notes the load)",
+    )
+
+
+def refuse_busy_machine(args) -> None:
+    """Stop a bench that is to write an evidence record on a busy machine (1-minute load average above
+    ``BUSY_LOAD_PER_CPU`` per CPU at its start), unless ``--allow-busy``: a record's timings are an
+    idle machine's. A run that writes no record is not stopped."""
+    if not getattr(args, "evidence_dir", None) or getattr(args, "allow_busy", False):
+        return
+    load = _loadavg()
+    if load and _busy(load[0]):
+        raise SystemExit(
+            f"refusing to write a bench record: the 1-minute load average is {load[0]} on {os.cpu_count()} "
+            f"CPUs (above {BUSY_LOAD_PER_CPU} per CPU), so the timings would be a busy machine's. Wait until "
+            "it is idle, or pass --allow-busy (the record then says the machine was busy)."
+        )
