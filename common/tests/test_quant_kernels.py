@@ -43,12 +43,19 @@ def matmul_path(request, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_engine_int8_gemm_matches_exact_integer_reference(dtype, with_bias, monkeypatch):
-    """The CPU dynamic linear through vLLM-CPU's oneDNN GEMM against the exact int64 accumulator.
+    """The CPU dynamic linear through vLLM-CPU's own W8A8 path against the exact int64 accumulator.
 
-    Same int8 activations (our quantizer) and an exact int32 accumulator inside oneDNN, so the only
-    difference from the equation evaluated in float64 is float32 rounding of acc * s * ws (a few u32 =
-    2**-24 relative) and the bias add, then one rounding to dtype: |y - ref| <= u(dtype) |ref| + 4 u32
-    (|ref| + |bias|), the first term being the final rounding of the reference itself.
+    On the engine quantizer's int8 activations (checked against ours below) with an exact int32
+    accumulator inside oneDNN, the only difference from the equation evaluated in float64 is float32
+    rounding of acc * s * ws (a few u32 = 2**-24 relative) and the bias add, then one rounding to dtype:
+    |y - ref| <= u(dtype) |ref| + 4 u32 (|ref| + |bias|), the first term being the final rounding of
+    the reference itself.
+
+    The engine's quantizer: the same per-token scale s = max|x| / 127 as ours (ModelSlim's), and each
+    int8 value round(x * fl(1/s)) where ours is round(fl(x / s)): the first quotient carries at most 2
+    float32 roundings (u32 relative each), the second one, so they differ by at most 3 u32 |x / s| and
+    may round apart only where x / s lies that close to a .5 boundary (4 u32 |x / s| below), and then
+    by one step.
     """
     from ascend_adapters.common import compat
 
@@ -64,7 +71,13 @@ def test_engine_int8_gemm_matches_exact_integer_reference(dtype, with_bias, monk
     bias = torch.randn(n, generator=g).to(dtype) if with_bias else None
     y = pk.w8a8_dynamic_linear(x, w, ws, bias)
     assert "_ascend_onednn" in w.__dict__  # the engine's GEMM served it
-    xq, s = pk.quantize_per_token(x)
+    xq, s, _ = compat.cpu_int8_gemm().onednn_scaled_int8_quant(x.contiguous())
+    ours_q, ours_s = pk.quantize_per_token(x)
+    assert torch.equal(s, ours_s)
+    apart = xq != ours_q
+    quotient = x.double() / torch.where(s > 0, s, torch.ones_like(s)).double()
+    near_half = (quotient - quotient.floor() - 0.5).abs() <= 4 * 2.0**-24 * quotient.abs()
+    assert ((xq.int() - ours_q.int()).abs() <= 1).all() and not (apart & ~near_half).any()
     ref = _exact_acc(xq, w).double() * s.double() * ws.double()
     b = torch.zeros(n, dtype=torch.float64) if bias is None else bias.double()
     ref = ref + b

@@ -123,6 +123,7 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
     ):
         loader = extra_weight_attrs["weight_loader"]
         n = sum(output_partition_sizes)
+        layer.modelslim_out_dtype = params_dtype  # the serving dtype: what the engine GEMM writes
         _int8_weight(layer, self.prefix, input_size_per_partition, output_partition_sizes, loader, W8A8_DYNAMIC)
         _channel(
             layer,
@@ -156,7 +157,7 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         def engine_gemm():
             if path_for_device(weight.device.type) is not KernelPath.PORTABLE:
                 return "the NPU path"
-            engine = portable.engine_int8_linear(weight, layer.weight_scale)
+            engine = portable.engine_int8_linear(weight, layer.weight_scale, layer.modelslim_out_dtype)
             return engine if engine is not None else "no engine int8 GEMM for this weight"
 
         choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(ENGINE, engine_gemm)])

@@ -13,13 +13,14 @@ Ascend devices have none. Rounding is round-half-to-even
 
 An all-zero activation row gives s = 0 and xq = 0, so y = bias (never NaN).
 
-On CPU, the dynamic linear takes its int8 GEMM from the engine where it has one (vLLM-CPU's oneDNN
-W8A8 kernel through ``compat.cpu_int8_gemm``, weight prepacked once per weight tensor): same int8
-activations (this module's quantizer), exact int32 accumulation inside oneDNN, the per-token and
-per-channel scales applied in float32, the bias added in float32 and one rounding to x.dtype: equal to
-the integer reference up to float32 rounding (test_quant_kernels.py checks it against the exact
-integer accumulator). A quantized layer keeps only the engine's prepacked copy (``EngineInt8Linear``);
-a plain weight passed to the op keeps its prepacked copy beside it.
+On CPU, the dynamic linear runs vLLM-CPU's own W8A8 path where the engine has it (``compat.cpu_int8_gemm``,
+weight prepacked once per weight tensor and output dtype): the engine's fused per-token quantizer (the
+same scale s; it multiplies by 1/s, so an activation within float rounding of a .5 boundary may land
+one int8 step from ``round(x / s)``), exact int32 accumulation inside oneDNN, the per-token and
+per-channel scales and the bias applied in float32 and one rounding to x.dtype, written straight into
+the output (test_quant_kernels.py checks it against the exact integer accumulator on the engine's own
+int8 activations). A quantized layer keeps only the engine's prepacked copy (``EngineInt8Linear``); a
+plain weight passed to the op keeps its prepacked copy beside it.
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
 """
 
@@ -105,41 +106,45 @@ def _onednn():
 class EngineInt8Linear:
     """A W8A8_DYNAMIC weight held only in the engine's prepacked form (vLLM-CPU's oneDNN int8 GEMM).
 
-    Made once from the checkpoint-layout ``weight [N, K]`` and ``weight_scale [N]``; the engine copies
-    the weight into its own blocked layout, so the caller may release the plain tensor, as vLLM's own
-    CPU W8A8 kernel does. Calling it runs this module's per-token quantizer, then the engine GEMM (exact
-    int32 accumulation, scales applied in float32), the bias in float32 and one rounding to x.dtype.
+    Made once from the checkpoint-layout ``weight [N, K]`` and ``weight_scale [N]`` for outputs in
+    ``out_dtype`` (the serving dtype); the engine copies the weight into its own blocked layout, so the
+    caller may release the plain tensor, as vLLM's own CPU W8A8 kernel does. A call runs what vLLM's
+    CPU W8A8 linear runs: the engine's fused per-token quantizer, then the GEMM (exact int32
+    accumulation, scales and bias applied in float32) writing ``out_dtype`` once, with no float32
+    output buffer or quantization temporaries of its own.
     """
 
-    def __init__(self, ops, weight: torch.Tensor, weight_scale: torch.Tensor):
+    def __init__(self, ops, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype):
         self._ops = ops
         self.out_features, self.in_features = weight.shape
+        self.out_dtype = out_dtype
         scale = weight_scale.reshape(-1).float().contiguous()
-        self._handle = ops.create_onednn_scaled_mm(weight.t(), scale, torch.float32, True, False)
+        self._handle = ops.create_onednn_scaled_mm(weight.t(), scale, out_dtype, True, False)
         self.nbytes = weight.numel() * weight.element_size()  # the prepacked int8 copy (the layer keeps the scale)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        y = torch.empty(x2.shape[0], self.out_features, dtype=torch.float32)
+        x2 = x.reshape(-1, shape[-1]).to(self.out_dtype).contiguous()
+        y = torch.empty(x2.shape[0], self.out_features, dtype=self.out_dtype)
         if x2.shape[0] > 0:
-            xq, s = quantize_per_token(x2)
-            self._ops.onednn_scaled_mm(self._handle, xq, y, s.contiguous(), None, None, None)
-        if bias is not None:
-            y = y + bias.float()
+            xq, s, _ = self._ops.onednn_scaled_int8_quant(x2)
+            b = None if bias is None else bias.to(self.out_dtype)
+            self._ops.onednn_scaled_mm(self._handle, xq, y, s, None, None, b)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
-def engine_int8_linear(weight: torch.Tensor, weight_scale: torch.Tensor) -> EngineInt8Linear | None:
+def engine_int8_linear(
+    weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
+) -> EngineInt8Linear | None:
     """The engine's prepacked W8A8_DYNAMIC linear for a CPU weight, or None (no engine GEMM, not on CPU)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
     ops = _onednn()
-    return EngineInt8Linear(ops, weight, weight_scale) if ops is not None else None
+    return EngineInt8Linear(ops, weight, weight_scale, out_dtype) if ops is not None else None
 
 
-def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor) -> EngineInt8Linear | None:
-    """For callers that pass a plain weight: prepacked once per weight tensor and kept beside it.
+def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> EngineInt8Linear | None:
+    """For callers that pass a plain weight: prepacked once per weight tensor and output dtype, kept beside it.
 
     Only for a weight that owns its storage; views (an expert sliced out of a stacked tensor per call)
     take the torch path rather than prepacking on every call.
@@ -147,9 +152,9 @@ def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor) -> EngineIn
     if weight._base is not None or weight.requires_grad or not scale.is_contiguous():
         return None
     cache = weight.__dict__.setdefault("_ascend_onednn", {})
-    key = (scale.data_ptr(), scale.numel())
+    key = (scale.data_ptr(), scale.numel(), out_dtype)
     if key not in cache:
-        cache[key] = engine_int8_linear(weight, scale)
+        cache[key] = engine_int8_linear(weight, scale, out_dtype)
     return cache[key]
 
 
@@ -159,7 +164,7 @@ def w8a8_dynamic_linear(
 ) -> torch.Tensor:
     """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype."""
     scale = weight_scale.reshape(-1).float()
-    engine = _cached_engine_linear(weight, scale) if x.device.type == "cpu" and _onednn() is not None else None
+    engine = _cached_engine_linear(weight, scale, x.dtype) if x.device.type == "cpu" and _onednn() is not None else None
     if engine is not None:
         return engine(x, bias)
     shape = x.shape
