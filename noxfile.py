@@ -286,13 +286,18 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def evidence(session: nox.Session) -> None:
-    """Run every gate (tests marked `gate`) and rewrite evidence/ with their records."""
+    """Run every gate (tests marked `gate`) and rewrite evidence/ with their records; then fail when any
+    record under evidence/ is still stale (the older engines' records come from `nox -s compat`, the
+    benches' from `nox -s bench -- --evidence-dir evidence`)."""
     python = provision(session, "all", list(PACKAGES))
     _pytest(
         session,
         python,
         ["-m", "gate", *_tests_of(list(PACKAGES))],
         extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
+    )
+    session.run(
+        str(python), "-m", "ascend_adapters.common.cli", "evidence", "check", str(ROOT / "evidence"), external=True
     )
 
 
