@@ -258,17 +258,18 @@ def demo(session: nox.Session) -> None:
 def bench(session: nox.Session) -> None:
     """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run.
 
-    `-- --evidence-dir evidence` also writes each script's evidence record there (scripts read
-    it from $ASCEND_ADAPTERS_EVIDENCE_DIR, see common.evidence.add_evidence_dir_argument).
+    `-- --evidence-dir evidence` also writes each script's evidence record there. The folder goes to
+    each script as its argument, not as $ASCEND_ADAPTERS_EVIDENCE_DIR: the engine workers the model
+    benches start read that variable too, and a worker would then judge the load its own bench makes.
     """
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
     posargs, bench_env = list(session.posargs), dict(TEST_ENV)
+    bench_env["ASCEND_ADAPTERS_EVIDENCE_DIR"] = ""  # empty: unset for the scripts and their workers
     if "--evidence-dir" in posargs:
         i = posargs.index("--evidence-dir")
-        bench_env["ASCEND_ADAPTERS_EVIDENCE_DIR"] = str(Path(posargs[i + 1]).resolve())
-        del posargs[i : i + 2]
+        posargs[i + 1] = str(Path(posargs[i + 1]).resolve())
     for pkg, path in PACKAGES.items():
         for script in sorted((ROOT / path / "bench").glob("bench_*.py")):
             session.log(f"== {pkg}: {script.name}")
