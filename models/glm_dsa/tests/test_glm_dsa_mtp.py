@@ -175,9 +175,9 @@ def w8a8_export(fitted, tmp_path_factory):
 @pytest.mark.gate
 def test_mtp_on_w8a8_export(fitted, w8a8_export, evidence_root):
     """A W8A8 export whose description marks the MTP layer FLOAT: the drafter loads it float beside the
-    quantized target; the target's logits match the quantized reference within the W8A8 gate's bound
-    (eager, as that bound is derived: test_glm_dsa_w8a8.TOL)."""
-    from _glm_dsa_w8a8 import quantized_reference
+    quantized target; the target's logits match the independently quantized reference within the W8A8
+    gate's bound (eager, as that bound is derived: test_glm_dsa_w8a8.TOL)."""
+    from _glm_dsa_w8a8 import compare_within_rounding, independent_reference
 
     rec = EvidenceRecord(model="glm_dsa", gate="mtp_parity_w8a8")
     desc = json.loads((w8a8_export / "quant_model_description.json").read_text())
@@ -186,20 +186,20 @@ def test_mtp_on_w8a8_export(fitted, w8a8_export, evidence_root):
     kwargs = {**LLM_KWARGS, "enforce_eager": True, "quantization": "modelslim"}
     ps = random_prompts((5, 30), seed=5)
     (batch,) = engine_run(w8a8_export, [ps], kwargs)
-    ref = quantized_reference(fitted[0], w8a8_export)
-    worst, same = 0.0, True
-    for row in batch["rows"]:
-        t = len(row["prompt_ids"])
-        want = ref(row["prompt_ids"] + row["gen_ids"][:-1])[t - 1 :]
-        worst = max(worst, float((row["logits"] - want[:, : row["logits"].shape[-1]]).abs().max()))
-        same &= row["gen_ids"] == want.argmax(-1).tolist()
+    quant = compare_within_rounding(
+        [(row["prompt_ids"], row["gen_ids"], row["logits"]) for row in batch["rows"]],
+        independent_reference(fitted[0], n_layers=3),
+        1e-4,
+    )
     c = batch["counters"]
     rec.command(f"tiny.make_mtp_fitted + make_export (MTP FLOAT); vllm.LLM(<export>, {kwargs}) greedy {MAX_TOKENS}")
-    rec.metric("max_abs_diff_vs_quantized_reference", worst)
+    rec.metric("max_abs_diff_vs_quantized_reference", quant["max_abs_diff"])
     rec.metric("spec_decode_counters", c)
     ok = rec.check("the MTP layer is FLOAT in the description", mtp_types == ["FLOAT"], mtp_types)
-    ok &= rec.check("target logits within 1e-4 of the quantized reference", worst <= 1e-4, worst)
-    ok &= rec.check("greedy tokens identical to the quantized reference", same)
+    ok &= rec.check("target logits within 1e-4 + 2 S(t) of the independently quantized reference "
+                    "(at least half the positions have S <= 1e-4)",
+                    quant["within_bound"], quant["per_sequence"])  # fmt: skip
+    ok &= rec.check("greedy tokens identical to the quantized reference", quant["tokens_identical"])
     ok &= rec.check("drafts accepted", c.get("vllm:spec_decode_num_accepted_tokens", 0) > 0, c)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 from _glm_dsa_ref import Reference, build, random_prompts
-from _glm_dsa_w8a8 import make_export, quantized_reference
+from _glm_dsa_w8a8 import compare_within_rounding, independent_reference, make_export
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
@@ -22,8 +22,12 @@ from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logi
 # float32: TP=2 only regroups sums (two partial o_proj/down_proj sums then an all-reduce), ~1e-6 relative
 # on logits of magnitude ~10; the single-process parity bound (test_glm_dsa_parity.TOL) applies unchanged.
 TOL = 1e-3
-# W8A8: the bound of test_glm_dsa_w8a8 (an activation one rounding step away moves one int8 step).
-TOL_W8A8 = 0.1
+# W8A8 under EP=2 (TP=2 for the dense layers): the reference quantizes per rank as the served ranks do (the
+# shared experts' row-parallel down_proj: each rank's input slice with its own per-token scale; static
+# per-tensor inputs and whole routed experts are the same on every rank), so what is left is EP=1's float32
+# rounding plus the regrouped sums of TP (~1e-6 relative, as above): the W8A8 gate's bound applies
+# unchanged, rounding sensitivity included (test_glm_dsa_w8a8.TOL, _glm_dsa_w8a8.compare_within_rounding).
+TOL_W8A8 = 1e-4
 
 
 def _tp2(**extra):
@@ -74,14 +78,19 @@ def test_ep2_w8a8_export(tmp_path, evidence_root):
     rec.command(
         f"vllm.LLM(<W8A8 export>, {base}, {kwargs}), VLLM_CPU_OMP_THREADS_BIND={env['VLLM_CPU_OMP_THREADS_BIND']}"
     )
-    quant = compare(runs, quantized_reference(src, export))
+    quant = compare_within_rounding(
+        [(r.prompt_ids, r.gen_ids, r.logits) for r in runs],
+        independent_reference(src, n_layers=3, tensor_parallel=2),
+        TOL_W8A8,
+    )
     plain = compare(runs, Reference(src))
-    rec.metric("max_abs_diff_vs_quantized_reference", quant.max_abs_diff)
+    rec.metric("max_abs_diff_vs_quantized_reference", quant["max_abs_diff"])
     rec.metric("max_abs_diff_vs_float_model", plain.max_abs_diff)
-    ok_tol = quant.max_abs_diff <= TOL_W8A8
-    ok_rel = quant.max_abs_diff <= 0.1 * plain.max_abs_diff
-    rec.check(f"EP=2 logits within {TOL_W8A8} of the plain-torch quantized reference", ok_tol, quant.as_dict())
-    rec.check("greedy tokens identical to the quantized reference", quant.tokens_identical, quant.first_divergence)
+    ok_tol = quant["within_bound"]
+    ok_rel = quant["max_abs_diff"] <= 0.1 * plain.max_abs_diff
+    rec.check(f"EP=2 logits within {TOL_W8A8} + 2 S(t) of the per-rank independently quantized reference "
+              "(S: the reference's own rounding sensitivity; at least half the positions have S <= tol)", ok_tol, quant["per_sequence"])  # fmt: skip
+    rec.check("greedy tokens identical to the quantized reference", quant["tokens_identical"], quant["per_sequence"])
     rec.check("the quantization is really applied (float model differs 10x more)", ok_rel)
     rec.notes.append(
         "routed experts split over the two ranks (4 each) and run common's ModelSlim W8A8_DYNAMIC MoE kernel; "
@@ -89,4 +98,4 @@ def test_ep2_w8a8_export(tmp_path, evidence_root):
         "float model is not tested under EP"
     )
     rec.write(evidence_root)
-    assert ok_tol and ok_rel and quant.tokens_identical
+    assert ok_tol and ok_rel and quant["tokens_identical"], quant
