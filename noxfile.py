@@ -259,8 +259,8 @@ def bench(session: nox.Session) -> None:
     """Every benchmark script (bench/bench_*.py of each package); `-- --quick` for a smoke run.
 
     `-- --evidence-dir evidence` also writes each script's evidence record there. The folder goes to
-    each script as its argument, not as $ASCEND_ADAPTERS_EVIDENCE_DIR: the engine workers the model
-    benches start read that variable too, and a worker would then judge the load its own bench makes.
+    each script as its argument; $ASCEND_ADAPTERS_EVIDENCE_DIR is emptied so that a `nox -s bench` run
+    without the argument writes no record.
     """
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"
