@@ -260,8 +260,7 @@ def bench(session: nox.Session) -> None:
 
     `-- --evidence-dir evidence` also writes each script's evidence record there. The folder goes to
     each script as its argument; $ASCEND_ADAPTERS_EVIDENCE_DIR is emptied so that a `nox -s bench` run
-    without the argument writes no record, and so that the DeepSeek-V4 bench's engine workers, which
-    still read it, do not refuse the load their own bench makes.
+    without the argument writes no record.
     """
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"

@@ -389,7 +389,6 @@ def main() -> int:
     ap.add_argument("--compiled", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mtp-drafts", type=int, default=0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    refuse_busy_machine(args)
     if args.memory_worker:
         memory_worker(*args.memory_worker)
         return 0
@@ -397,6 +396,8 @@ def main() -> int:
         model_dir, prompt_len, gen, out = args.worker
         worker(model_dir, int(prompt_len), int(gen), out, args.dtype, args.compiled, args.mtp_drafts)
         return 0
+    # after the worker modes: a worker runs while its own bench loads the machine
+    refuse_busy_machine(args)
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ascend_adapters.common.versions import engine_distribution

@@ -198,6 +198,11 @@ def w8a8_reference(float_dir, export_dir):
     return model
 
 
+def skipped_weights(model) -> dict:
+    """Probe (``LLM.apply_model``): checkpoint name -> the reason the strict loader skipped it."""
+    return dict(model.skipped_weights)
+
+
 def pipeline_stage(model) -> dict:
     """Probe (``LLM.apply_model``, run on each worker): what this pipeline stage holds and skipped."""
     import re

@@ -443,6 +443,38 @@ def test_release_quantization_config_is_read_or_refused_naming_the_field():
         release_quant({"quantization_config": {**q, "fmt": "e5m2"}}, "cfg")
 
 
+def test_release_dequantization_equals_hand_computed_values():
+    """Bytes decoded by hand from DeepSeek's published rules (docs/references.md#deepseek-v4-fp8-fp4): e4m3 is
+    sign | 4 exponent bits (bias 7) | 3 mantissa bits, subnormal below exponent 1; e8m0 is 2**(byte - 127);
+    e2m1 is sign | 2 exponent bits (bias 1) | 1 mantissa bit, two per byte, low nibble first."""
+    from ascend_adapters.deepseek_v4.dequant import dequant_fp4, dequant_fp8_block
+
+    def bytes_as(values, dtype, shape):
+        return torch.tensor(values, dtype=torch.uint8).reshape(shape).view(dtype)
+
+    # e4m3: 0x38 = 2^0 * 1.0; 0x3C = 1.5; 0x40 = 2.0; 0x7E = 2^8 * 1.75 = 448 (the largest); 0x01 = 2^-6 * 1/8
+    # (subnormal); 0xB8 = -1.0; 0x00 = 0
+    codes = [0x38, 0x3C, 0x40, 0x7E, 0x01, 0xB8, 0x00]
+    want = [1.0, 1.5, 2.0, 448.0, 2.0**-9, -1.0, 0.0]
+    # 130 x 130 weight: 2 x 2 blocks of 128 (the last ragged); scales 2^0, 2^1 / 2^-2, 2^3
+    w = torch.full((130, 130), 0x38, dtype=torch.uint8)
+    w[0, :7] = torch.tensor(codes, dtype=torch.uint8)
+    scale = bytes_as([127, 128, 125, 130], torch.float8_e8m0fnu, (2, 2))
+    got = dequant_fp8_block(w.view(torch.float8_e4m3fn), scale, (128, 128), "t")
+    assert got[0, :7].tolist() == want
+    assert [got[0, 127].item(), got[0, 128].item(), got[129, 0].item(), got[129, 129].item()] == [1.0, 2.0, 0.25, 8.0]
+
+    # e2m1 codes: 1 = 0.5, 2 = 1.0, 7 = 2^2 * 1.5 = 6, 15 = -6, 8 = -0, 9 = -0.5, 4 = 2.0, 5 = 3.0
+    # bytes 0x21 -> (0.5, 1.0), 0xF7 -> (6, -6), 0x98 -> (-0, -0.5), 0x54 -> (2, 3); 64 inputs = 2 scale groups
+    row = [0x21, 0xF7, 0x98, 0x54] + [0x22] * 28
+    packed = torch.tensor([row, row], dtype=torch.uint8).view(torch.int8)  # [2, 32] -> [2, 64] values
+    scale = bytes_as([127, 129, 126, 127], torch.float8_e8m0fnu, (2, 2))  # row 0: 1, 4; row 1: 0.5, 1
+    got = dequant_fp4(packed, scale, "t")
+    assert got[0, :8].tolist() == [0.5, 1.0, 6.0, -6.0, -0.0, -0.5, 2.0, 3.0]
+    assert got[1, :8].tolist() == [0.25, 0.5, 3.0, -3.0, -0.0, -0.25, 1.0, 1.5]
+    assert got[0, 32:34].tolist() == [4.0, 4.0] and got[1, 32:34].tolist() == [1.0, 1.0]  # 0x22 = (1, 1)
+
+
 def test_release_weight_without_scale_is_named():
     from ascend_adapters.deepseek_v4.dequant import dequantize_release
 

@@ -14,6 +14,9 @@ routed experts (docs/references.md#msmodelslim-tiny-moe). The export keeps what 
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 from _dsv4_cases import W8A8_PLAN, hf_model, prompts, reference_fn, w8a8_reference
@@ -66,15 +69,30 @@ def test_w8a8_dynamic_export_parity(tmp_path, evidence_root):
         rec.check(f"export as published: {what}", passed)
     assert all(published.values()), published
     ps = prompts((9, 40), seed=5)
-    res = vllm_logits(export, [ps], max_tokens=5, llm_kwargs={"max_model_len": 256})[0]
+    probe_path = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")]))
+    }
+    (res,), (skipped,) = vllm_logits(
+        export,
+        [ps],
+        max_tokens=5,
+        llm_kwargs={"max_model_len": 256},
+        env=probe_path,
+        probe="_dsv4_cases:skipped_weights",
+    )
     rep = compare(res, reference_fn(w8a8_reference(float_dir, export)))
     float_rep = compare(res, reference_fn(hf_model(float_dir)))
     rec.metric("max_abs_diff_vs_int8_reference", rep.max_abs_diff)
     rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
     rec.metric("greedy_identical_to_float_model", float_rep.tokens_identical)
     rec.metric("float_model_first_divergence", float_rep.first_divergence)
-    # the strict loader stops on any tensor it neither loads nor skips: serving at all means mtp.* was skipped
-    rec.check("served with mtp.* in the export (skipped on load; unmapped names would stop loading)", True)
+    mtp_names = sorted(k for k in tensors if k.startswith("mtp."))
+    rec.metric("skipped_on_load", skipped)
+    ok_skip = rec.check(
+        "every mtp.* tensor of the export skipped on load with its reason (the target has no MTP layer)",
+        bool(mtp_names) and all(skipped.get(k) for k in mtp_names),
+        {k: skipped.get(k) for k in mtp_names},
+    )
     ok = rec.check(
         "logits within 1e-3 of the int8 reference at every position", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}"
     )
@@ -91,5 +109,5 @@ def test_w8a8_dynamic_export_parity(tmp_path, evidence_root):
     )
     rec.skip("W8A8 static (per-tensor activation) layers", "not exercised for DeepSeek-V4 here")
     rec.write(evidence_root)
-    assert ok and ok_t, rep.as_dict()
+    assert ok and ok_t and ok_skip, (rep.as_dict(), skipped)
     assert rec.passed, rec.checks
