@@ -18,8 +18,10 @@ A. ``continuous``: the same weights with every choice made total (one expert gro
 B. ``discrete``: the shipped tiny config (2 groups, top-2 of 8, index_topk 8; prompts past 8):
    positions within ``2 E_A`` need nothing more; in every sequence the first position beyond it
    must come at or after a near-tie in the reference: a group, routing or indexer decision whose
-   gap between the last chosen and the first rejected score is, relative to those scores, within
-   the relative rounding size ``2 E_A / max|logit|`` the logits show.
+   gap between the last chosen and the first rejected score is within 4 ``E_d``, ``E_d`` the
+   reference's own bf16-vs-fp32 difference of that decision's scores
+   (``testing.bf16.decision_near_ties``). At least ``MIN_COMPARED`` positions must come before their
+   sequence's first near-tie.
 """
 
 from __future__ import annotations
@@ -29,7 +31,13 @@ import torch
 from _glm_dsa_ref import _index_scores, build, random_prompts
 
 from ascend_adapters.common.evidence import EvidenceRecord
-from ascend_adapters.testing.bf16 import check_continuous, check_discrete, paired_sequences, rounding_scale
+from ascend_adapters.testing.bf16 import (
+    check_continuous,
+    check_discrete,
+    decision_near_ties,
+    paired_sequences,
+    rounding_scale,
+)
 from ascend_adapters.testing.parity import vllm_logits
 
 pytestmark = [pytest.mark.vllm, pytest.mark.gate]
@@ -38,34 +46,31 @@ LENGTHS = (5, 23, 50)
 MAX_TOKENS = 6
 CONTINUOUS = {"n_group": 1, "topk_group": 1, "num_experts_per_tok": 8, "index_topk": 64}
 LLM_KWARGS = {"max_model_len": 96, "block_size": 16, "max_num_batched_tokens": 16, "dtype": "bfloat16"}
+# B compares the positions before each sequence's first near-tie: at least this many over the three
+# sequences (the 5-token prompt alone has 10 positions), or the record compared too little to say anything.
+MIN_COMPARED = 10
 
 
-def _rel_gap(sorted_desc, k):
-    return float((sorted_desc[k - 1] - sorted_desc[k]) / sorted_desc[k - 1 : k + 1].abs().max().clamp_min(1e-30))
-
-
-def _decision_hooks(model, rec):
-    """Per position, the smallest relative gap at any group / routed top-k / indexer top-k boundary."""
+def _decisions(model, rec):
+    """Every group, routed top-k and indexer top-k decision of a forward: its scores per position, which
+    candidates each position may choose from, and k (``testing.bf16.decision_near_ties``)."""
     handles = []
-    for name, mod in model.named_modules():
+    for mod in model.modules():
         kind = type(mod).__name__
         if kind == "GlmMoeDsaTopkRouter":
 
-            def router(m, inp, out, name=name):
+            def router(m, inp, out):
                 s = out[0].float().sigmoid() + m.e_score_correction_bias.float()
-                gaps = torch.full((s.shape[0],), float("inf"))
                 per_group = s.view(s.shape[0], m.num_group, -1)
-                gs = per_group.topk(2, dim=-1).values.sum(-1)
-                for t in range(s.shape[0]):
-                    g = gs[t].sort(descending=True).values
-                    chosen = s[t]
-                    if m.topk_group < m.num_group:
-                        gaps[t] = min(gaps[t], _rel_gap(g, m.topk_group))
-                        keep = gs[t].topk(m.topk_group).indices
-                        chosen = per_group[t, keep].flatten()
-                    if m.top_k < chosen.numel():
-                        gaps[t] = min(gaps[t], _rel_gap(chosen.sort(descending=True).values, m.top_k))
-                rec.append(gaps)
+                group_scores = per_group.topk(2, dim=-1).values.sum(-1)
+                everyone = torch.ones_like(s, dtype=torch.bool)
+                if m.topk_group < m.num_group:
+                    rec.append({"scores": group_scores, "valid": torch.ones_like(group_scores, dtype=torch.bool),
+                                "k": m.topk_group})  # fmt: skip
+                    keep = group_scores.topk(m.topk_group, dim=-1).indices
+                    in_kept = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+                    everyone = in_kept.repeat_interleave(per_group.shape[-1], dim=1)
+                rec.append({"scores": s, "valid": everyone, "k": m.top_k})
 
             handles.append(mod.register_forward_hook(router))
         elif kind == "GlmMoeDsaIndexer":
@@ -73,11 +78,8 @@ def _decision_hooks(model, rec):
             def indexer(m, args, kwargs, out):
                 with torch.no_grad():
                     sc = _index_scores(m, *args, **kwargs).float()  # [S, T] before the causal mask
-                gaps = torch.full((sc.shape[0],), float("inf"))
-                for t in range(sc.shape[0]):
-                    if t + 1 > m.index_topk:
-                        gaps[t] = _rel_gap(sc[t, : t + 1].sort(descending=True).values, m.index_topk)
-                rec.append(gaps)
+                causal = torch.arange(sc.shape[1])[None, :] <= torch.arange(sc.shape[0])[:, None]
+                rec.append({"scores": sc, "valid": causal, "k": m.index_topk})
 
             handles.append(mod.register_forward_hook(indexer, with_kwargs=True))
     return handles
@@ -100,12 +102,14 @@ def _reference(ckpt, seqs, dtype, hooks=None):
 
 
 def _serve_and_compare(ckpt, hooks=None):
+    """Paired sequences, and per sequence the near-tie positions of the hooked decisions (if ``hooks``)."""
     ps = random_prompts(LENGTHS, seed=9)
     (res,) = vllm_logits(ckpt, [ps], max_tokens=MAX_TOKENS, llm_kwargs=LLM_KWARGS)
     seqs = [s.positions_ids for s in res]
-    r16, gaps = _reference(ckpt, seqs, torch.bfloat16, hooks)
-    r32, _ = _reference(ckpt, seqs, torch.float32)
-    return paired_sequences(res, r16, r32), gaps
+    r16, dec16 = _reference(ckpt, seqs, torch.bfloat16, hooks)
+    r32, dec32 = _reference(ckpt, seqs, torch.float32, hooks)
+    ties = [decision_near_ties(a, b, len(ids)) for a, b, ids in zip(dec16, dec32, seqs)] if hooks else None
+    return paired_sequences(res, r16, r32), ties
 
 
 @pytest.fixture(scope="module")
@@ -128,8 +132,9 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
     rec = EvidenceRecord(model="glm_dsa", gate="bfloat16_vs_transformers_bf16_discrete")
     ckpt = build(tmp_path, "discrete")
     rec.command(f"make_tiny() (2 groups, top-2 of 8, index_topk 8); vllm.LLM(dir, {LLM_KWARGS}) greedy {MAX_TOKENS}")
-    rec.command("transformers bf16 with forward hooks on every TopkRouter and Indexer: decision gaps per position")
-    per_seq, gaps = _serve_and_compare(ckpt, _decision_hooks)
-    ok = check_discrete(rec, continuous, per_seq, gaps)
+    rec.command("transformers bf16 and float32 with forward hooks on every TopkRouter and Indexer: each decision's "
+                "scores in both")  # fmt: skip
+    per_seq, ties = _serve_and_compare(ckpt, _decisions)
+    ok = check_discrete(rec, continuous, per_seq, ties, MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks
