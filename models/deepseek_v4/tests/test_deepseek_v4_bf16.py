@@ -24,12 +24,15 @@ logits by far more than rounding. So:
 A. ``continuous``: the same weights with every choice made total (num_experts_per_tok = all 8
    experts, index_topk = 64 >= every CSA entry count at 256 tokens): nothing can flip, every
    position must be within 2 E.
-B. ``discrete``: the shipped tiny config (top-2 of 8 experts, index_topk 4). Positions within
-   ``2 E_A`` need nothing more; in every sequence the first position beyond it must come at or
-   after a near-tie in the reference: a routing or indexer decision whose gap between the last
-   chosen and the first rejected score is within 4 ``E_d``, ``E_d`` the reference's own bf16-vs-fp32
-   difference of that decision's scores (``testing.bf16.decision_near_ties``). At least
-   ``MIN_COMPARED`` positions must come before their sequence's first near-tie.
+B. ``discrete``: the shipped tiny config (top-2 of 8 experts, index_topk 4), every position compared
+   within ``2 E_A``. A near-tie is a routing or indexer decision whose gap between the last chosen and
+   the first rejected score is within 4 ``E_d``, ``E_d`` the reference's own bf16-vs-fp32 difference of
+   that decision's scores (``testing.bf16.decision_near_ties``): there the served model may choose the
+   other way, and every later position then differs by more than rounding. Where a position deviates,
+   the reference is made to take a near-tie decision at or before it the other way (forward hooks
+   swap a chosen candidate for a rejected one within 4 ``E_d`` of it) and the comparison continues with it
+   (``testing.bf16.follow_near_ties``); a deviation no near-tie flip explains fails. The reference
+   runs on the served token ids, so a greedy divergence is teacher-forced by construction.
 """
 
 from __future__ import annotations
@@ -56,67 +59,102 @@ MAX_TOKENS = 4
 SEED = 5
 CONTINUOUS = {"num_experts_per_tok": 8, "index_topk": 64}  # 8 experts; 256 / 4 = 64 CSA entries at most
 LLM_KWARGS = {"max_model_len": 256, "dtype": "bfloat16"}
-# B compares the positions before each sequence's first near-tie: at least this many over the three
-# sequences (the 7-token prompt alone has 10 positions), or the record compared too little to say anything.
-MIN_COMPARED = 10
+# B compares every served position (prompt and generated steps but the last) of the three sequences
+MIN_COMPARED = sum(n + MAX_TOKENS - 1 for n in LENGTHS)
 
 
-def _reference_logits(model_dir, seqs, dtype, hooks=None):
+def _load(model_dir, dtype):
     from transformers import DeepseekV4ForCausalLM
 
-    model = DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
-    out, gaps = [], []
-    for ids in seqs:
-        rec = []
-        handles = hooks(model, rec) if hooks else []
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == torch.bfloat16):
-            out.append(model(torch.tensor([ids])).logits[0].float())
+    return DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
+
+
+def _forward(model, ids, hooks=None, forced=()):
+    """Logits ``[n, V]`` of one sequence, and the decisions ``hooks`` recorded (``forced`` taken the other way)."""
+    rec = []
+    handles = hooks(model, rec, forced) if hooks else []
+    try:
+        with (
+            torch.no_grad(),
+            torch.autocast("cpu", dtype=torch.bfloat16, enabled=model.lm_head.weight.dtype == torch.bfloat16),
+        ):
+            logits = model(torch.tensor([ids])).logits[0].float()
+    finally:
         for h in handles:
             h.remove()
-        gaps.append(rec)
-    return out, gaps
+    return logits, rec
 
 
-def _decisions(model, rec):
-    """Every routed top-k and every indexer top-k decision of a forward: its scores per position, which
-    candidates each position may choose from, and k (``testing.bf16.decision_near_ties``)."""
+def _decisions(model, rec, forced=()):
+    """Record every routed top-k and every indexer top-k decision of a forward (its scores per position,
+    which candidates each position may choose from, and k: ``testing.bf16.decision_near_ties``), in call
+    order; for each ``(d, t, i, j)`` in ``forced``, decision ``d`` at position ``t`` rejects its candidate
+    of rank i and chooses the one of rank j instead (ranks in the order of its scores)."""
+    swaps_of = {}
+    for d, t, i, j in forced:
+        swaps_of.setdefault(d, {}).setdefault(t, []).append((i, j))
     handles = []
     for mod in model.modules():
         kind = type(mod).__name__
         if kind == "DeepseekV4TopKRouter":
 
             def router(m, inp, out):
-                s = m.score_fn(out[0].float()) + m.e_score_correction_bias.float()
-                rec.append({"scores": s, "valid": torch.ones_like(s, dtype=torch.bool), "k": m.top_k})
+                logits, weights, indices = out
+                scores = m.score_fn(logits)
+                biased = scores + m.e_score_correction_bias  # what the router's topk compares
+                swaps = swaps_of.get(len(rec), ())
+                rec.append({"scores": biased.float(), "valid": torch.ones_like(biased, dtype=torch.bool), "k": m.top_k})
+                if not swaps:
+                    return None
+                weights, indices = weights.clone(), indices.clone()
+                for t, ranks in swaps.items():
+                    order = biased[t].float().argsort(descending=True)
+                    chosen = order[: m.top_k].clone()
+                    for i, j in ranks:
+                        chosen[i] = order[j]
+                    indices[t] = chosen
+                    w = scores[t, chosen]
+                    weights[t] = w / (w.sum() + 1e-20) * m.routed_scaling_factor
+                return logits, weights, indices
 
             handles.append(mod.register_forward_hook(router))
         elif kind == "DeepseekV4Indexer":
 
             def indexer(m, inp, out, rate=mod.compress_rate, k=mod.index_topk):
-                sc = out[0].float()  # [S, T] before the causal mask
+                sc = out[0]  # [S, T] before the causal mask; the indexer's topk only selects
                 seen = ((torch.arange(sc.shape[0]) + 1) // rate).clamp(max=sc.shape[1])  # entries each query sees
-                rec.append({"scores": sc, "valid": torch.arange(sc.shape[1])[None, :] < seen[:, None], "k": k})
+                valid = torch.arange(sc.shape[1])[None, :] < seen[:, None]
+                swaps = swaps_of.get(len(rec), ())
+                rec.append({"scores": sc.float(), "valid": valid, "k": k})
+                if not swaps:
+                    return None
+                out = out.clone()
+                for t, ranks in swaps.items():
+                    order = sc[t].float().masked_fill(~valid[t], float("-inf")).argsort(descending=True)
+                    for i, j in ranks:
+                        a, b = order[i], order[j]
+                        out[0, t, a], out[0, t, b] = sc[t, b], sc[t, a]
+                return out
 
             handles.append(mod.scorer.register_forward_hook(indexer))
     return handles
 
 
-def _serve_and_compare(model_dir, hooks=None):
-    """Paired sequences, and per sequence the near-tie positions of the hooked decisions (if ``hooks``)."""
+def _serve(model_dir):
     ps = prompts(LENGTHS, seed=12)
     (res,) = vllm_logits(model_dir, [ps], max_tokens=MAX_TOKENS, llm_kwargs=LLM_KWARGS)
+    return res
+
+
+def _paired(model_dir, res, m16, m32):
     seqs = [s.positions_ids for s in res]
-    ref16, dec16 = _reference_logits(model_dir, seqs, torch.bfloat16, hooks)
-    ref32, dec32 = _reference_logits(model_dir, seqs, torch.float32, hooks)
-    ties = [decision_near_ties(a, b, len(ids)) for a, b, ids in zip(dec16, dec32, seqs)] if hooks else None
-    return paired_sequences(res, ref16, ref32), ties
+    return paired_sequences(res, [_forward(m16, ids)[0] for ids in seqs], [_forward(m32, ids)[0] for ids in seqs])
 
 
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory):
     d = make_tiny(tmp_path_factory.mktemp("dsv4bf16") / "continuous", seed=SEED, **CONTINUOUS)
-    per_seq, _ = _serve_and_compare(d)
-    return rounding_scale(per_seq)
+    return rounding_scale(_paired(d, _serve(d), _load(d, torch.bfloat16), _load(d, torch.float32)))
 
 
 def test_bfloat16_continuous_every_position_within_rounding(continuous, evidence_root):
@@ -137,7 +175,19 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
     )
     rec.command("transformers bf16 (autocast) and float32 with forward hooks on every TopKRouter and Indexer "
                 "scorer: each decision's scores in both")  # fmt: skip
-    per_seq, ties = _serve_and_compare(d, _decisions)
-    ok = check_discrete(rec, continuous, per_seq, ties, MIN_COMPARED)
+    res = _serve(d)
+    m16, m32 = _load(d, torch.bfloat16), _load(d, torch.float32)
+
+    def reference(ids):
+        def run(forced, ties):
+            r16, dec16 = _forward(m16, ids, _decisions, forced)
+            if not ties:
+                return r16, None
+            return r16, decision_near_ties(dec16, _forward(m32, ids, _decisions, forced)[1], len(ids))
+
+        return run
+
+    per_seq = _paired(d, res, m16, m32)
+    ok = check_discrete(rec, continuous, per_seq, [reference(s.positions_ids) for s in res], MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -72,21 +72,28 @@ def check_continuous(rec, continuous: dict, lengths) -> bool:
     return ok and ok_t
 
 
-def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int) -> torch.Tensor:
-    """Per position, whether any top-k decision of the bfloat16 reference is a near-tie.
+def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int) -> dict:
+    """Where the top-k decisions of the bfloat16 reference may go the other way, per decision and position.
 
     ``decisions16`` / ``decisions32``: the same decisions, in the same order, hooked in the bfloat16 and the
     float32 reference run, each ``{"scores": [n, C], "valid": [n, C] bool (the candidates), "k": int}``
     (a position with no more than k candidates decides nothing). ``E_d`` = max |bf16 score - fp32 score|
     over a position's candidates is the reference's own rounding of those scores; a second bfloat16
     implementation's scores sit within ``E_d`` of the float32 ones too, so its score of each candidate is
-    within ``2 E_d`` of the bfloat16 reference's, and a choice can differ only where the gap between the
-    last chosen and the first rejected score is at most ``4 E_d``.
+    within ``2 E_d`` of the bfloat16 reference's, and it can choose a rejected candidate over a chosen
+    one only where the reference's scores of the two are at most ``4 E_d`` apart.
+
+    Returns ``{"near_tie": [D, n] bool, "gap": [D, n], "limit": [D, n], "swaps": {(d, t): {(i, j): gap}}}``:
+    ``gap`` between the last chosen and the first rejected score (inf where nothing is decided),
+    ``limit`` = 4 E_d, and per near-tie the swaps that may happen, as ranks in the reference's order
+    (chosen rank i < k <= rejected rank j, their scores ``gap`` <= ``limit`` apart).
     """
-    tie = torch.zeros(n, dtype=torch.bool)
     if len(decisions16) != len(decisions32):
         raise AssertionError(f"{len(decisions16)} bf16 decisions vs {len(decisions32)} fp32 decisions")
-    for d16, d32 in zip(decisions16, decisions32):
+    gaps = torch.full((len(decisions16), n), float("inf"))
+    limits = torch.zeros((len(decisions16), n))
+    swaps = {}
+    for d, (d16, d32) in enumerate(zip(decisions16, decisions32)):
         s16, s32, valid, k = d16["scores"].float(), d32["scores"].float(), d16["valid"], d16["k"]
         if s16.shape[-1] <= k:  # no position has more than k candidates: nothing is decided
             continue
@@ -94,42 +101,106 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
         v = torch.where(valid, s16, float("-inf")).sort(-1, descending=True).values
         gap = torch.where(valid.sum(-1) > k, v[:, k - 1] - v[:, k], float("inf"))
         m = min(n, gap.shape[0])
-        tie[:m] |= gap[:m] <= 4 * e[:m]
-    return tie
+        gaps[d, :m], limits[d, :m] = gap[:m], 4 * e[:m]
+        for t in (gaps[d, :m] <= limits[d, :m]).nonzero().flatten().tolist():
+            row, lim = v[t], float(limits[d, t])
+            swaps[(d, t)] = {(i, j): float(row[i] - row[j]) for i in range(k - 1, -1, -1) if float(row[i] - row[k]) <= lim
+                             for j in range(k, int(valid[t].sum())) if float(row[i] - row[j]) <= lim}  # fmt: skip
+    return {"near_tie": gaps <= limits, "gap": gaps, "limit": limits, "swaps": swaps}
 
 
-def check_discrete(rec, continuous: dict, per_seq, near_ties, min_compared: int) -> bool:
-    """No position beyond 2 E before the first near-tie decision of its sequence, and at least
-    ``min_compared`` positions compared that way over all sequences; recorded in ``rec``.
+def follow_near_ties(served, bound: float, reference, max_tries: int = 1000) -> dict:
+    """Compare every position of one sequence, following the served model through near-tie decisions.
 
-    ``near_ties[i]``: ``decision_near_ties`` of sequence i. The reference runs on the served token ids
-    (prompt and generated), so a position after a greedy divergence is still compared on the same
-    inputs; only a discrete choice that may flip ends a sequence's comparison.
+    ``reference(forced, ties)``: the bfloat16 reference logits ``[n, V]`` with every ``(decision,
+    position, i, j)`` in ``forced`` taken the other way (the candidates of ranks i and j in the
+    reference's order swapped: rank i < k rejected, rank j >= k chosen), and with ``ties`` also its
+    ``decision_near_ties`` (else None).
+
+    Where the first position beyond ``bound`` appears, a near-tie decision at or before it may have
+    gone the other way in the served model, which changes every later position. Swaps that
+    ``decision_near_ties`` allows are forced in the reference, at most ``max_tries`` of them: each
+    swap at the deviating position, each pair of them there (in two decisions, then two swaps in one
+    decision), then each swap at an earlier position (latest first); the first that moves the first
+    deviation later is kept, as the served model's choice, and the comparison continues from the
+    forced reference. It ends when every position is within ``bound`` (all compared; each kept flip
+    moves the first deviation later, so there are at most n rounds), or at a deviation none of those
+    explains; ``compared`` counts the positions before it.
+    """
+    n = served.shape[0]
+    forced: list[tuple[int, int, int, int]] = []
+    flips: list[dict] = []
+    while True:
+        r16, ties = reference(tuple(forced), True)
+        dev = (served - r16).abs().amax(-1)
+        over = (dev > bound).nonzero().flatten()
+        if not len(over):
+            return {"compared": n, "flips": flips, "first_unexplained": None, "max_abs_diff": float(dev.max())}
+        first = int(over[0])
+        decided = {(f[0], f[1]) for f in forced}
+        candidates = sorted(
+            ((d, t, i, j) for (d, t), pairs in ties["swaps"].items() if t <= first and (d, t) not in decided
+             for i, j in pairs),
+            key=lambda c: (-c[1], c[0], c[2] - c[3]),
+        )  # fmt: skip
+        here = [c for c in candidates if c[1] == first]
+        pairs = [(a, b) for a in here for b in here if a[0] < b[0]]  # two decisions
+        pairs += [
+            (a, b) for a in here for b in here if a[0] == b[0] and a[2] < b[2] and a[3] != b[3]
+        ]  # two swaps in one
+        tries = ([(c,) for c in here] + pairs + [(c,) for c in candidates if c[1] < first])[:max_tries]
+        moved = None
+        for flip in tries:
+            r, _ = reference((*forced, *flip), False)
+            later = ((served - r).abs().amax(-1) > bound).nonzero().flatten()
+            if not len(later) or int(later[0]) > first:
+                moved = flip
+                break
+        if moved is None:
+            return {"compared": first, "flips": flips, "first_unexplained": first,
+                    "deviation_there": float(dev[first]), "swaps_tried": len(tries),
+                    "max_abs_diff": float(dev[:first].max()) if first else None}  # fmt: skip
+        for d, t, i, j in moved:
+            forced.append((d, t, i, j))
+            flips.append({"decision": d, "position": t, "ranks_swapped": [i, j], "deviation_before": float(dev[first]),
+                          "at": first, "gap": ties["swaps"][(d, t)][(i, j)], "limit_4E_d": float(ties["limit"][d, t])})  # fmt: skip
+
+
+def check_discrete(rec, continuous: dict, per_seq, references, min_compared: int) -> bool:
+    """Every position of every sequence within 2 E of the reference that follows the served model
+    through near-tie decisions (``follow_near_ties``), and at least ``min_compared`` positions
+    compared; recorded in ``rec``.
+
+    ``references[i]``: the ``reference`` callable of sequence i. The reference runs on the served token
+    ids (prompt and generated), so a greedy divergence needs no forcing: the reference is fed the
+    served tokens (teacher forcing); a flipped internal decision is followed by forcing it.
     """
     bound = 2 * continuous["E"]
-    rows, ok_all, compared = [], True, 0
-    for p, tie in zip(per_seq, near_ties):
+    rows, compared = [], 0
+    for p, reference in zip(per_seq, references):
         n = p["r16"].shape[0]
-        dev = (p["served"] - p["r16"]).abs().amax(-1)
-        tie = tie[:n]
-        first_tie = int(tie.nonzero()[0]) if tie.any() else n
-        over = (dev > bound).nonzero().flatten().tolist()
-        first_over = over[0] if over else None
-        ok = first_over is None or first_over >= first_tie
-        ok_all &= ok
-        compared += first_tie
-        rows.append({"prompt_len": p["prompt_len"], "positions": n, "positions_within_2E": n - len(over),
-                     "compared_before_first_near_tie": first_tie, "first_over": first_over,
-                     "near_tie_positions": int(tie.sum()), "max_abs_diff": float(dev.max()),
-                     "max_abs_diff_before_first_near_tie": float(dev[:first_tie].max()) if first_tie else None,
-                     "ok": ok})  # fmt: skip
+        row = {
+            "prompt_len": p["prompt_len"],
+            "positions": n,
+            **follow_near_ties(p["served"], bound, reference),
+        }
+        row["ok"] = row["first_unexplained"] is None
+        compared += row["compared"]
+        rows.append(row)
+    ok_all = all(r["ok"] for r in rows)
     rec.metric("bound_2E_from_continuous", bound)
     rec.metric("per_sequence", rows)
     rec.metric("positions_compared", compared)
+    rec.metric("flips_followed", sum(len(r["flips"]) for r in rows))
     rec.metric("greedy_divergences", greedy_divergences(per_seq, bound))
-    rec.check("in every sequence, no position beyond 2 E before the first near-tie decision", ok_all, rows)
+    rec.check(
+        "in every sequence every position within 2 E, the reference following the near-tie decisions "
+        "(gap <= 4 E_d) that the served model took the other way",
+        ok_all,
+        rows,
+    )
     ok_n = rec.check(
-        f"at least {min_compared} positions compared before their sequence's first near-tie",
+        f"at least {min_compared} positions compared",
         compared >= min_compared,
         {"compared": compared, "required": min_compared},
     )
