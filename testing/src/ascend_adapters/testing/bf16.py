@@ -10,6 +10,8 @@ where two candidates are nearer than that; positions after such a near-tie may d
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 
@@ -109,7 +111,7 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
     return {"near_tie": gaps <= limits, "gap": gaps, "limit": limits, "swaps": swaps}
 
 
-def follow_near_ties(served, bound: float, reference, max_tries: int = 1000) -> dict:
+def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> dict:
     """Compare every position of one sequence, following the served model through near-tie decisions.
 
     ``reference(forced, ties)``: the bfloat16 reference logits ``[n, V]`` with every ``(decision,
@@ -119,12 +121,12 @@ def follow_near_ties(served, bound: float, reference, max_tries: int = 1000) -> 
 
     Where the first position beyond ``bound`` appears, a near-tie decision at or before it may have
     gone the other way in the served model, which changes every later position. Swaps that
-    ``decision_near_ties`` allows are forced in the reference, at most ``max_tries`` of them: each
-    swap at the deviating position, each pair of them there (in two decisions, then two swaps in one
-    decision), then each swap at an earlier position (latest first); the first that moves the first
-    deviation later is kept, as the served model's choice, and the comparison continues from the
-    forced reference. It ends when every position is within ``bound`` (all compared; each kept flip
-    moves the first deviation later, so there are at most n rounds), or at a deviation none of those
+    ``decision_near_ties`` allows are forced in the reference, at most ``max_tries`` of them: at the
+    deviating position one swap in each of 1, 2, ... of its decisions, then two swaps in one decision,
+    then each swap at an earlier position (latest first); the first that moves the first deviation
+    later is kept, as the served model's choice, and the comparison continues from the forced
+    reference. It ends when every position is within ``bound`` (all compared; each kept flip moves
+    the first deviation later, so there are at most n rounds), or at a deviation none of those
     explains; ``compared`` counts the positions before it.
     """
     n = served.shape[0]
@@ -143,12 +145,19 @@ def follow_near_ties(served, bound: float, reference, max_tries: int = 1000) -> 
              for i, j in pairs),
             key=lambda c: (-c[1], c[0], c[2] - c[3]),
         )  # fmt: skip
-        here = [c for c in candidates if c[1] == first]
-        pairs = [(a, b) for a in here for b in here if a[0] < b[0]]  # two decisions
-        pairs += [
-            (a, b) for a in here for b in here if a[0] == b[0] and a[2] < b[2] and a[3] != b[3]
-        ]  # two swaps in one
-        tries = ([(c,) for c in here] + pairs + [(c,) for c in candidates if c[1] < first])[:max_tries]
+        here: dict[int, list] = {}
+        for c in candidates:
+            if c[1] == first:
+                here.setdefault(c[0], []).append(c)
+        at_first = (
+            combo
+            for size in range(1, len(here) + 1)
+            for decisions in itertools.combinations(here.values(), size)
+            for combo in itertools.product(*decisions)
+        )  # one swap in each of 1, 2, ... decisions there
+        twice = ((a, b) for cs in here.values() for a in cs for b in cs if a[2] < b[2] and a[3] != b[3])
+        earlier = ((c,) for c in candidates if c[1] < first)
+        tries = list(itertools.islice(itertools.chain(at_first, twice, earlier), max_tries))
         moved = None
         for flip in tries:
             r, _ = reference((*forced, *flip), False)
