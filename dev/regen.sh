@@ -6,7 +6,7 @@
 #   3. every gate on each older engine (nox -s compat).
 # Then: rm -rf evidence/{corrupt,crashing,interrupted,misload}; write_index; `ascend-adapters evidence
 # check evidence`; docs numbers from the records. Logs: $LOG (default /work/regen), one per step.
-# Run a step alone: dev/regen.sh benches | tests | compat
+# Steps (default: provision benches tests compat): provision | benches | tests | compat | compat:<version>
 set -u
 cd "$(git rev-parse --show-toplevel)"
 export VLLM_CPU_NUM_OF_RESERVED_CPU=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
@@ -34,9 +34,18 @@ benches() {
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --skip-mtp --out .nox/bench/bench_deepseek_v4.json
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-memory
 }
+provision() { python3 -m nox -s lint && python3 -m nox -s tests -- --co -q; echo "provision rc=$? $(date +%T)"; }
 tests() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s tests -- -ra --durations=20; echo "tests rc=$? $(date +%T)"; }
 compat() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- -ra; echo "compat rc=$? $(date +%T)"; }
 
-for step in "${@:-benches tests compat}"; do
-    for s in $step; do "$s" > "$LOG/$s.log" 2>&1; done
+for step in "${@:-provision benches tests compat}"; do
+    for s in $step; do
+        case "$s" in
+        compat:*)
+            ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- "${s#compat:}" -ra > "$LOG/$s.log" 2>&1
+            echo "$s rc=$? $(date +%T)" >> "$LOG/$s.log"
+            ;;
+        *) "$s" > "$LOG/$s.log" 2>&1 ;;
+        esac
+    done
 done
