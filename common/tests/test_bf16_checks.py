@@ -46,7 +46,7 @@ def test_follows_flips_at_near_ties():
     served = _logits([0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0])
     out = follow_near_ties(served, BOUND, _reference)
     assert out["first_unexplained"] is None and out["compared"] == N
-    assert [(f["position"], f["ranks_swapped"]) for f in out["flips"]] == [(4, [0, 1]), (8, [0, 2])]
+    assert [(f["position"], f["swap"]) for f in out["flips"]] == [(4, [0, 1]), (8, [0, 2])]
 
 
 def test_a_flip_where_no_near_tie_is_not_explained():

@@ -180,7 +180,7 @@ def w8a8_reference(float_dir, plan: dict, tensor_parallel: int = 1):
 
 def compare_w8a8(sequences, model, tol: float) -> dict:
     """``testing.w8a8_reference.compare_within_rounding`` against ``model`` (a ``w8a8_reference``)."""
-    return compare_within_rounding(sequences, reference_fn(model), model.model.layers, tol)
+    return compare_within_rounding(sequences, reference_fn(model), tol)
 
 
 def skipped_weights(model) -> dict:

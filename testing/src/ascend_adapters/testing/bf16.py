@@ -85,10 +85,10 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
     within ``2 E_d`` of the bfloat16 reference's, and it can choose a rejected candidate over a chosen
     one only where the reference's scores of the two are at most ``4 E_d`` apart.
 
-    Returns ``{"near_tie": [D, n] bool, "gap": [D, n], "limit": [D, n], "swaps": {(d, t): {(i, j): gap}}}``:
-    ``gap`` between the last chosen and the first rejected score (inf where nothing is decided),
-    ``limit`` = 4 E_d, and per near-tie the swaps that may happen, as ranks in the reference's order
-    (chosen rank i < k <= rejected rank j, their scores ``gap`` <= ``limit`` apart).
+    Returns ``{"near_tie": [D, n] bool, "gap": [D, n], "limit": [D, n], "swaps": {(d, t): {(i, j): {"gap",
+    "limit"}}}}``: ``gap`` between the last chosen and the first rejected score (inf where nothing is
+    decided), ``limit`` = 4 E_d, and per near-tie the swaps that may happen, as ranks in the reference's
+    order (chosen rank i < k <= rejected rank j, their scores ``gap`` <= ``limit`` apart).
     """
     if len(decisions16) != len(decisions32):
         raise AssertionError(f"{len(decisions16)} bf16 decisions vs {len(decisions32)} fp32 decisions")
@@ -106,7 +106,8 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
         gaps[d, :m], limits[d, :m] = gap[:m], 4 * e[:m]
         for t in (gaps[d, :m] <= limits[d, :m]).nonzero().flatten().tolist():
             row, lim = v[t], float(limits[d, t])
-            swaps[(d, t)] = {(i, j): float(row[i] - row[j]) for i in range(k - 1, -1, -1) if float(row[i] - row[k]) <= lim
+            swaps[(d, t)] = {(i, j): {"gap": float(row[i] - row[j]), "limit": lim}
+                             for i in range(k - 1, -1, -1) if float(row[i] - row[k]) <= lim
                              for j in range(k, int(valid[t].sum())) if float(row[i] - row[j]) <= lim}  # fmt: skip
     return {"near_tie": gaps <= limits, "gap": gaps, "limit": limits, "swaps": swaps}
 
@@ -114,10 +115,10 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
 def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> dict:
     """Compare every position of one sequence, following the served model through near-tie decisions.
 
-    ``reference(forced, ties)``: the bfloat16 reference logits ``[n, V]`` with every ``(decision,
-    position, i, j)`` in ``forced`` taken the other way (the candidates of ranks i and j in the
-    reference's order swapped: rank i < k rejected, rank j >= k chosen), and with ``ties`` also its
-    ``decision_near_ties`` (else None).
+    ``reference(forced, ties)``: the reference logits ``[n, V]`` with every ``(decision, position, i, j)``
+    in ``forced`` taken the other way (for a top-k decision the candidates of ranks i and j in the
+    reference's order swapped: rank i < k rejected, rank j >= k chosen; ``w8a8_reference`` keys an
+    int8 rounding the same way), and with ``ties`` also its ``decision_near_ties`` (else None).
 
     Where the first position beyond ``bound`` appears, a near-tie decision at or before it may have
     gone the other way in the served model, which changes every later position. Swaps that
@@ -125,9 +126,12 @@ def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> 
     deviating position one swap in each of 1, 2, ... of its decisions, then two swaps in one decision,
     then each swap at an earlier position (latest first); the first that moves the first deviation
     later is kept, as the served model's choice, and the comparison continues from the forced
-    reference. It ends when every position is within ``bound`` (all compared; each kept flip moves
-    the first deviation later, so there are at most n rounds), or at a deviation none of those
-    explains; ``compared`` counts the positions before it.
+    reference. Where none does (the served model took two such decisions at different positions),
+    the single swap that brings that deviation closest to ``bound`` is kept and the search goes on.
+    Every kept swap is a decision that may go either way, so whichever set ends with every position
+    within ``bound`` shows the served model equal to the reference up to such decisions. It ends
+    there (all compared; each round keeps one more decision, so it ends), or at a deviation no swap
+    moves or brings closer; ``compared`` counts the positions before it.
     """
     n = served.shape[0]
     forced: list[tuple[int, int, int, int]] = []
@@ -158,21 +162,25 @@ def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> 
         twice = ((a, b) for cs in here.values() for a in cs for b in cs if a[2] < b[2] and a[3] != b[3])
         earlier = ((c,) for c in candidates if c[1] < first)
         tries = list(itertools.islice(itertools.chain(at_first, twice, earlier), max_tries))
-        moved = None
+        moved, closer = None, (float(dev[first]), None)
         for flip in tries:
             r, _ = reference((*forced, *flip), False)
-            later = ((served - r).abs().amax(-1) > bound).nonzero().flatten()
+            dev_r = (served - r).abs().amax(-1)
+            later = (dev_r > bound).nonzero().flatten()
             if not len(later) or int(later[0]) > first:
                 moved = flip
                 break
+            if len(flip) == 1 and int(later[0]) == first and float(dev_r[first]) < closer[0]:
+                closer = (float(dev_r[first]), flip)
+        moved = moved or closer[1]  # none moves it: keep the one that brings the deviation closest, go on
         if moved is None:
             return {"compared": first, "flips": flips, "first_unexplained": first,
                     "deviation_there": float(dev[first]), "swaps_tried": len(tries),
                     "max_abs_diff": float(dev[:first].max()) if first else None}  # fmt: skip
         for d, t, i, j in moved:
             forced.append((d, t, i, j))
-            flips.append({"decision": d, "position": t, "ranks_swapped": [i, j], "deviation_before": float(dev[first]),
-                          "at": first, "gap": ties["swaps"][(d, t)][(i, j)], "limit_4E_d": float(ties["limit"][d, t])})  # fmt: skip
+            flips.append({"decision": d, "position": t, "swap": [i, j], "deviation_before": float(dev[first]),
+                          "at": first, **ties["swaps"][(d, t)][(i, j)]})  # fmt: skip
 
 
 def check_discrete(rec, continuous: dict, per_seq, references, min_compared: int) -> bool:
