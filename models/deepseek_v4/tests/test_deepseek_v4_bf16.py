@@ -25,7 +25,8 @@ A. ``continuous``: the same weights with every choice made total (num_experts_pe
    experts, index_topk = 64 >= every CSA entry count at 256 tokens): nothing can flip, every
    position must be within 2 E.
 B. ``discrete``: the shipped tiny config (top-2 of 8 experts, index_topk 4), every position compared
-   within ``2 E_A``. A near-tie is a routing or indexer decision whose gap between the last chosen and
+   within ``E_A + E_S`` (``E_S``: the served model's own distance to the float32 reference in A;
+   the two bf16 sides are each that close to it). A near-tie is a routing or indexer decision whose gap between the last chosen and
    the first rejected score is within 4 ``E_d``, ``E_d`` the reference's own bf16-vs-fp32 difference of
    that decision's scores (``testing.bf16.decision_near_ties``): there the served model may choose the
    other way, and every later position then differs by more than rounding. Where a position deviates,

@@ -16,7 +16,8 @@ A. ``continuous``: the same weights with every choice made total (one expert gro
    routed, index_topk 64 > every position compared, served on the sparse path since
    max_model_len 96 > 64): nothing can flip; every position within 2 E.
 B. ``discrete``: the shipped tiny config (2 groups, top-2 of 8, index_topk 8; prompts past 8), every
-   position compared within ``2 E_A``. A near-tie is a group, routing or indexer decision whose gap
+   position compared within ``E_A + E_S`` (``E_S``: the served model's own distance to the float32
+   reference in A; the two bf16 sides are each that close to it). A near-tie is a group, routing or indexer decision whose gap
    between the last chosen and the first rejected score is within 4 ``E_d``, ``E_d`` the reference's
    own bf16-vs-fp32 difference of that decision's scores (``testing.bf16.decision_near_ties``): there
    the served model may choose the other way, and every later position then differs by more than
