@@ -38,6 +38,8 @@ B. ``discrete``: the shipped tiny config (top-2 of 8 experts, index_topk 4), eve
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from _dsv4_cases import prompts
@@ -47,7 +49,7 @@ from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.bf16 import (
     check_continuous,
     check_discrete,
-    decision_near_ties,
+    following_reference,
     paired_sequences,
     rounding_scale,
 )
@@ -179,16 +181,15 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
     res = _serve(d)
     m16, m32 = _load(d, torch.bfloat16), _load(d, torch.float32)
 
-    def reference(ids):
-        def run(forced, ties):
-            r16, dec16 = _forward(m16, ids, _decisions, forced)
-            if not ties:
-                return r16, None
-            return r16, decision_near_ties(dec16, _forward(m32, ids, _decisions, forced)[1], len(ids))
-
-        return run
-
     per_seq = _paired(d, res, m16, m32)
-    ok = check_discrete(rec, continuous, per_seq, [reference(s.positions_ids) for s in res], MIN_COMPARED)
+    references = [
+        following_reference(
+            partial(_forward, m16, s.positions_ids, _decisions),
+            partial(_forward, m32, s.positions_ids, _decisions),
+            len(s.positions_ids),
+        )
+        for s in res
+    ]
+    ok = check_discrete(rec, continuous, per_seq, references, MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks

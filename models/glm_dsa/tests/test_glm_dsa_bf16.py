@@ -30,6 +30,8 @@ B. ``discrete``: the shipped tiny config (2 groups, top-2 of 8, index_topk 8; pr
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from _glm_dsa_ref import _index_scores, build, random_prompts
@@ -38,7 +40,7 @@ from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.bf16 import (
     check_continuous,
     check_discrete,
-    decision_near_ties,
+    following_reference,
     paired_sequences,
     rounding_scale,
 )
@@ -185,16 +187,14 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
     res = _serve(ckpt)
     m16, m32 = _load(ckpt, torch.bfloat16), _load(ckpt, torch.float32)
 
-    def reference(ids):
-        def run(forced, ties):
-            r16, dec16 = _forward(m16, ids, _decisions, forced)
-            if not ties:
-                return r16, None
-            return r16, decision_near_ties(dec16, _forward(m32, ids, _decisions, forced)[1], len(ids))
-
-        return run
-
-    ok = check_discrete(rec, continuous, _paired(res, m16, m32), [reference(s.positions_ids) for s in res],
-                        MIN_COMPARED)  # fmt: skip
+    references = [
+        following_reference(
+            partial(_forward, m16, s.positions_ids, _decisions),
+            partial(_forward, m32, s.positions_ids, _decisions),
+            len(s.positions_ids),
+        )
+        for s in res
+    ]
+    ok = check_discrete(rec, continuous, _paired(res, m16, m32), references, MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -57,7 +57,7 @@ def check_continuous(rec, continuous: dict, lengths) -> bool:
     """Every position within 2 E, and greedy tokens equal or split at a near-tie; recorded in ``rec``."""
     E, bound = continuous["E"], 2 * continuous["E"]
     per_pos = torch.cat([(p["served"] - p["r16"]).abs().amax(-1) for p in continuous["per_seq"]])
-    vs32 = max(float((p["served"] - p["r32"]).abs().max()) for p in continuous["per_seq"])
+    vs32 = continuous["E_S"]
     ties = greedy_divergences(continuous["per_seq"], bound)
     rec.metric("prompt_lengths", list(lengths))
     rec.metric("positions", int(per_pos.numel()))
@@ -112,6 +112,17 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
                              for i in range(k - 1, -1, -1) if float(row[i] - row[k]) <= lim
                              for j in range(k, int(valid[t].sum())) if float(row[i] - row[j]) <= lim}  # fmt: skip
     return {"near_tie": gaps <= limits, "gap": gaps, "limit": limits, "swaps": swaps}
+
+
+def following_reference(forward16, forward32, n: int):
+    """``follow_near_ties``' ``reference`` from the bfloat16 and float32 forwards of one sequence, each
+    ``forced -> (logits [n, V], decisions)`` with the hooked decisions in call order."""
+
+    def run(forced, ties):
+        r16, decisions16 = forward16(forced)
+        return r16, (decision_near_ties(decisions16, forward32(forced)[1], n) if ties else None)
+
+    return run
 
 
 def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> dict:
