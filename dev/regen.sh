@@ -36,15 +36,12 @@ benches() {
 }
 provision() { python3 -m nox -s lint && python3 -m nox -s tests -- --co -q; echo "provision rc=$? $(date +%T)"; }
 tests() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s tests -- -ra --durations=20; echo "tests rc=$? $(date +%T)"; }
-compat() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- -ra; echo "compat rc=$? $(date +%T)"; }
+compat() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- "$@" -ra; echo "compat $* rc=$? $(date +%T)"; }
 
 for step in "${@:-provision benches tests compat}"; do
     for s in $step; do
         case "$s" in
-        compat:*)
-            ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- "${s#compat:}" -ra > "$LOG/$s.log" 2>&1
-            echo "$s rc=$? $(date +%T)" >> "$LOG/$s.log"
-            ;;
+        compat:*) compat "${s#compat:}" > "$LOG/$s.log" 2>&1 ;;
         *) "$s" > "$LOG/$s.log" 2>&1 ;;
         esac
     done
