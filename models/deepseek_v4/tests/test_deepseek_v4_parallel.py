@@ -42,9 +42,6 @@ its input with that half's own per-token scale; whole experts under EP see the s
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 from _dsv4_cases import TINY_CONFIG, W8A8_PLAN, compare_w8a8, hf_model, prompts, reference_fn, w8a8_reference
 
@@ -126,10 +123,8 @@ def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
         f"vllm.LLM({model_dir}, float32, {kwargs}) batched + alone, greedy {MAX_TOKENS} tokens, raw logits; "
         "reference transformers float32; each stage probed through LLM.apply_model"
     )
-    tests_dir = str(Path(__file__).parent)  # the workers import the probe from _dsv4_cases
-    env = {**_two_cpus(), "PYTHONPATH": os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")]))}
     res, stages = vllm_logits(
-        model_dir, runs, max_tokens=MAX_TOKENS, llm_kwargs=kwargs, env=env, probe="_dsv4_cases:pipeline_stage"
+        model_dir, runs, max_tokens=MAX_TOKENS, llm_kwargs=kwargs, env=_two_cpus(), probe="_dsv4_cases:pipeline_stage"
     )
     rep = compare([s for batch in res for s in batch], ref)
     rec.metric("prompt_lengths", list(LENGTHS))
