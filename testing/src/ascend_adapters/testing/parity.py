@@ -14,6 +14,7 @@ reference is run on ``prompt + generated[:-1]`` and compared row by row.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -71,7 +72,8 @@ def vllm_logits(
     batched run and the same prompts one by one). With ``probe``
     (``"module:function"``, run on each worker's model through ``LLM.apply_model``
     after the runs; it returns something JSON-serialisable) the result is
-    ``(runs, probe results)``.
+    ``(runs, probe results)``. A probe module that is not installed (one beside the
+    tests) is found from the test process and its folder put on the workers' path.
     """
     import torch
 
@@ -87,7 +89,7 @@ def vllm_logits(
         spec_path.write_text(json.dumps(spec))
         proc = subprocess.run(
             [sys.executable, "-m", "ascend_adapters.testing.parity_worker", str(spec_path), str(out_path)],
-            env={**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})},
+            env=_with_probe_path({**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", **(env or {})}, probe),
             capture_output=True,
             text=True,
             timeout=timeout,
@@ -97,6 +99,21 @@ def vllm_logits(
         raw = torch.load(out_path)
     results = [[SeqLogits(r["prompt_ids"], r["gen_ids"], r["logits"]) for r in batch] for batch in raw["runs"]]
     return (results, raw["probe"]) if probe is not None else results
+
+
+def _with_probe_path(env: dict, probe: str | None) -> dict:
+    """``env`` with the folder of ``probe``'s module first on ``PYTHONPATH`` when that module is a
+    top-level one found outside the installed packages (a test folder's probe)."""
+    if probe is None:
+        return env
+    module = probe.partition(":")[0]
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        raise ValueError(f"probe {probe!r}: module {module!r} cannot be imported from the test process")
+    if "." in module:  # inside a package, which the workers import as installed
+        return env
+    folder = str(Path(spec.origin).parent)
+    return {**env, "PYTHONPATH": os.pathsep.join(filter(None, [folder, env.get("PYTHONPATH")]))}
 
 
 @dataclass

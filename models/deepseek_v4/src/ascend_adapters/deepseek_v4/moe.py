@@ -28,7 +28,7 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
 from vllm.model_executor.utils import set_weight_attrs
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common import kernels as _common_kernels  # noqa: F401  (registers the shared ops)
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 
@@ -165,6 +165,7 @@ class DeepseekV4MoE(nn.Module):
         self.gate = GateLinear(
             h, self.n_experts, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix=f"{prefix}.gate"
         )
+        compat.keep_router_gate_dtype(self.gate)
         if self.is_hash:
             self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:

@@ -475,6 +475,7 @@ def make_moe(vllm_config: VllmConfig, config, prefix: str) -> DeepseekV2MoE:
         prefix=prefix,
     )
     _route_in_float32(moe.gate)
+    compat.keep_router_gate_dtype(moe.gate)
     return moe
 
 
