@@ -84,6 +84,27 @@ def _lookup(results):
     return ref
 
 
+def _check_against_w8a8_reference(rec, split: str, res, float_dir, reference, reference_name: str):
+    """The checks of both W8A8 split gates: the engine's logits within the bound of the independently
+    quantized ``reference`` (following its near-boundary roundings), its greedy tokens, and logits that
+    differ from the float model's (the export really is int8). Returns (all passed, the reports)."""
+    int8_rep = compare_w8a8([(r.prompt_ids, r.gen_ids, r.logits) for r in res], reference, TOL)
+    float_rep = compare(res, reference_fn(hf_model(float_dir)))
+    rec.metric("max_abs_diff_vs_int8_reference", int8_rep["max_abs_diff"])
+    rec.metric("per_sequence_vs_int8_reference", int8_rep["per_sequence"])
+    rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
+    oks = [
+        rec.check(
+            f"{split} logits within {TOL} of the {reference_name}, {FOLLOWING}",
+            int8_rep["within_bound"],
+            int8_rep["per_sequence"],
+        ),
+        rec.check(f"{split} greedy tokens identical to the quantized reference", int8_rep["tokens_identical"]),
+        rec.check("the export really is int8 (logits differ from the float model)", float_rep.max_abs_diff > TOL),
+    ]
+    return all(oks), {"vs_int8_reference": int8_rep, "max_abs_diff_vs_float_model": float_rep.max_abs_diff}
+
+
 @pytest.mark.vllm
 @pytest.mark.gate
 def test_tensor_parallel_2_matches_tp1_and_transformers(tiny, evidence_root):
@@ -213,24 +234,13 @@ def test_pipeline_parallel_2_w8a8_dynamic(tmp_path, evidence_root):
         env={"VLLM_CPU_OMP_THREADS_BIND": first_cpu},
     )
     rep = compare(res, _lookup(pp1))
-    int8_rep = compare_w8a8(
-        [(r.prompt_ids, r.gen_ids, r.logits) for r in res], w8a8_reference(float_dir, W8A8_PLAN), TOL
-    )
-    float_rep = compare(res, reference_fn(hf_model(float_dir)))
     rec.metric("max_abs_diff_pp2_vs_pp1", rep.max_abs_diff)
-    rec.metric("max_abs_diff_vs_int8_reference", int8_rep["max_abs_diff"])
-    rec.metric("per_sequence_vs_int8_reference", int8_rep["per_sequence"])
-    rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
     ok = rec.check("PP=2 logits within 1e-3 of PP=1 on the export", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}")
-    ok_r = rec.check(
-        f"PP=2 logits within {TOL} of the independently quantized reference, {FOLLOWING}",
-        int8_rep["within_bound"],
-        int8_rep["per_sequence"],
+    ok_w8a8, w8a8_reps = _check_against_w8a8_reference(
+        rec, "PP=2", res, float_dir, w8a8_reference(float_dir, W8A8_PLAN), "independently quantized reference"
     )
-    ok_t = rec.check("PP=2 greedy tokens identical to the quantized reference", int8_rep["tokens_identical"])
-    ok_q = rec.check("the export really is int8 (logits differ from the float model)", float_rep.max_abs_diff > TOL)
     rec.write(evidence_root)
-    assert ok and ok_r and ok_t and ok_q, (rep.as_dict(), int8_rep, float_rep.max_abs_diff)
+    assert ok and ok_w8a8, (rep.as_dict(), w8a8_reps)
 
 
 @pytest.mark.vllm
@@ -247,23 +257,16 @@ def test_expert_parallel_2_w8a8_dynamic_experts(tmp_path, evidence_root):
     res = vllm_logits(
         export, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus()
     )
-    rep = compare_w8a8(
-        [(r.prompt_ids, r.gen_ids, r.logits) for r in res[0]],
+    ok, w8a8_reps = _check_against_w8a8_reference(
+        rec,
+        "EP=2",
+        res[0],
+        float_dir,
         w8a8_reference(float_dir, W8A8_PLAN, tensor_parallel=2),
-        TOL,
+        "per-rank independently quantized reference",
     )
-    float_rep = compare(res[0], reference_fn(hf_model(float_dir)))
-    rec.metric("max_abs_diff_vs_int8_reference", rep["max_abs_diff"])
-    rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
-    ok = rec.check(
-        f"EP=2 logits within {TOL} of the per-rank independently quantized reference, {FOLLOWING}",
-        rep["within_bound"],
-        rep["per_sequence"],
-    )
-    ok_t = rec.check("EP=2 greedy tokens identical to the quantized reference", rep["tokens_identical"])
-    ok_q = rec.check("the export really is int8 (logits differ from the float model)", float_rep.max_abs_diff > TOL)
     rec.write(evidence_root)
-    assert ok and ok_t and ok_q, (rep, float_rep.max_abs_diff)
+    assert ok, w8a8_reps
 
 
 @pytest.mark.vllm
