@@ -161,13 +161,15 @@ def _dynamic_bound(ref, bias, dtype):
 def _portable_activation_steps(x, w, ws):
     """What differing int8 activations add to the dynamic bound. The emulator's npu_dynamic_quant computes
     portable.quantize_per_token's float32 values (rowmax / 127, round(x / s)); the portable linear on
-    vLLM-CPU quantizes with the engine's fused op instead (round(x * (1/s)), test_quant_kernels.py), which
+    vLLM-CPU may quantize with the engine's fused op instead (round(x * (1/s)), test_quant_kernels.py), which
     may land one step away near a .5 boundary. Each differing step moves acc[t, n] by |w[n, k]|: the
     output moves by at most (|dxq| @ |w|.T) * s[t] * ws[n]."""
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     xq_npu, s = pk.quantize_per_token(x2)
     engine = pk._onednn()
-    xq_port = engine.onednn_scaled_int8_quant(x2)[0] if engine is not None else xq_npu
+    layout = pk.cpu_layout(x.dtype) if engine is not None else {"path": "torch"}
+    engine_quantizes = layout["path"] == "engine" and layout["quantizer"] == "engine"
+    xq_port = engine.onednn_scaled_int8_quant(x2)[0] if engine_quantizes else xq_npu
     dxq = (xq_npu.long() - xq_port.long()).abs()
     assert dxq.max() <= 1
     steps = (dxq.double() @ w.double().abs().t()) * s.double() * ws.double()
@@ -437,3 +439,22 @@ def test_portable_int8_matmul_uses_no_float64(monkeypatch):
         acc = pk.int8_matmul(xq, w)
     assert torch.float64 not in seen
     assert torch.equal(acc.long(), xq.long() @ w.long().t())
+
+
+def test_static_linear_op_traces_the_npu_layout_under_torch_compile(emulated):
+    """The static W8A8 op is opaque to vLLM's torch.compile: its fake implementation gives the output shape.
+    On the NPU path the weight is packed [K, N]; with K != N the traced shape must still be [..., N]."""
+    from ascend_adapters.common.quant import linear
+
+    g = _g(7)
+    k, n = 96, 40
+    x = torch.randn(3, k, generator=g).to(torch.bfloat16)
+    w = _npu("modelslim.pack_weight")(_int8((n, k), g))
+    assert w.shape == (k, n)
+    scale, offset = torch.tensor([0.05]), torch.tensor([3.0])
+    deq, qbias = torch.rand(n, generator=g) * 1e-3, torch.randint(-50, 50, (n,), generator=g, dtype=torch.int32)
+    op = torch.ops.vllm.ascend_adapters_w8a8_static_linear
+    eager = op(x, w, scale, offset, deq, qbias)
+    assert linear._w8a8_static_linear_shape(x, w, scale, offset, deq, qbias).shape == eager.shape == (3, n)
+    compiled = torch.compile(lambda *a: op(*a), backend="aot_eager", fullgraph=True)(x, w, scale, offset, deq, qbias)
+    assert torch.equal(compiled, eager)

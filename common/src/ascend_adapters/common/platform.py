@@ -84,6 +84,30 @@ def reset() -> None:
 
 
 @functools.lru_cache(maxsize=1)
+def cpu_isa() -> str:
+    """The widest int8-relevant x86 instruction set this CPU offers, from /proc/cpuinfo's flags:
+    ``AMX``, ``AVX-512 VNNI``, ``AVX-VNNI``, ``AVX-512``, ``AVX2``, or the machine name elsewhere.
+    Named in bench records and the W8A8 path choice; nothing is decided from it alone."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    for flag, name in (
+        ("amx_int8", "AMX"),
+        ("avx512_vnni", "AVX-512 VNNI"),
+        ("avx_vnni", "AVX-VNNI"),
+        ("avx512f", "AVX-512"),
+        ("avx2", "AVX2"),
+    ):
+        if flag in flags:
+            return name
+    return platform.machine() or "unknown"
+
+
+@functools.lru_cache(maxsize=1)
 def kernel_path() -> KernelPath:
     """For ``status``: the path this process's model tensors would take; logged once."""
     if env_flag(FORCE_PORTABLE_ENV):

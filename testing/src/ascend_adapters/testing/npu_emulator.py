@@ -516,7 +516,11 @@ def npu_rotary_mul(input, r1, r2, rotary_mode="half", rotate=None):
 # --- installing it -----------------------------------------------------------------------------------
 def as_module() -> types.ModuleType:
     """This emulator as a module object named ``torch_npu``."""
+    import importlib.machinery
+
     mod = types.ModuleType("torch_npu", __doc__)
+    # a spec like an imported module's: torch.compile asks importlib.util.find_spec("torch_npu")
+    mod.__spec__ = importlib.machinery.ModuleSpec("torch_npu", None)
     for name in __all__:
         setattr(mod, name, globals()[name])
     return mod

@@ -40,6 +40,7 @@ from ascend_adapters.common.compat.shims import (
     mla_attention_spec,
     moe_method_routes,
     moe_select_experts,
+    register_opaque_op,
     sliding_window_row_spec,
     weights_mapper_fn,
 )
@@ -69,6 +70,7 @@ __all__ = [
     "sliding_window_row_spec",
     "moe_method_routes",
     "moe_select_experts",
+    "register_opaque_op",
     "require_supported_engine",
     "weights_mapper_fn",
 ]

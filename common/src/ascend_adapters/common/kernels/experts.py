@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.kernels.activation import swiglu, swiglu_npu
 
 
@@ -203,14 +203,5 @@ def _experts_output_like(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
     return torch.empty_like(x)
 
 
-def _register_ops() -> None:
-    """``torch.ops.vllm.ascend_adapters_swiglu_experts``: float experts (``common.swiglu_experts``)."""
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    if not hasattr(torch.ops.vllm, "ascend_adapters_swiglu_experts"):
-        direct_register_custom_op(
-            op_name="ascend_adapters_swiglu_experts", op_func=_swiglu_experts_op, fake_impl=_experts_output_like
-        )
-
-
-_register_ops()
+# torch.ops.vllm.ascend_adapters_swiglu_experts: float experts (common.swiglu_experts) as one opaque call
+compat.register_opaque_op("ascend_adapters_swiglu_experts", _swiglu_experts_op, fake_impl=_experts_output_like)

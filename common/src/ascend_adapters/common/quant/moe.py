@@ -19,6 +19,7 @@ from vllm.model_executor.layers.fused_moe.routed_experts import FusedMoeWeightSc
 from vllm.model_executor.utils import set_weight_attrs
 
 from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.kernels.experts import _experts_output_like
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import DescriptionError
@@ -185,17 +186,6 @@ def _w8a8_dynamic_moe_op(
     )
 
 
-def _register_ops() -> None:
-    """``torch.ops.vllm.ascend_adapters_w8a8_dynamic_moe``: the routed W8A8_DYNAMIC experts as one opaque
-    call for vLLM's torch.compile, as ``common.kernels.experts`` does for float experts (same why)."""
-    from vllm.utils.torch_utils import direct_register_custom_op
-
-    from ascend_adapters.common.kernels.experts import _experts_output_like
-
-    if not hasattr(torch.ops.vllm, "ascend_adapters_w8a8_dynamic_moe"):
-        direct_register_custom_op(
-            op_name="ascend_adapters_w8a8_dynamic_moe", op_func=_w8a8_dynamic_moe_op, fake_impl=_experts_output_like
-        )
-
-
-_register_ops()
+# torch.ops.vllm.ascend_adapters_w8a8_dynamic_moe: the routed W8A8_DYNAMIC experts as one opaque call for
+# vLLM's torch.compile, as common.kernels.experts does for float experts (same why)
+compat.register_opaque_op("ascend_adapters_w8a8_dynamic_moe", _w8a8_dynamic_moe_op, fake_impl=_experts_output_like)

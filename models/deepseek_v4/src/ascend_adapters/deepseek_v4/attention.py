@@ -29,7 +29,6 @@ from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
-from vllm.utils.torch_utils import direct_register_custom_op
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
@@ -73,7 +72,7 @@ def dsv4_attention(
     get_forward_context().no_compile_layers[layer_name].attend(x, q, kv, qr, positions, out)
 
 
-direct_register_custom_op(op_name="dsv4_attention", op_func=dsv4_attention, mutates_args=["out"])
+compat.register_opaque_op("dsv4_attention", dsv4_attention, mutates_args=["out"])
 
 
 class DeepseekV4Cache(nn.Module, AttentionLayerBase):

