@@ -225,3 +225,49 @@ def test_compile_split_at_keeps_compilation_on_and_adds_the_ops(monkeypatch):
     assert (
         not eager.compilation_config.splitting_ops or "vllm::adapter_op" not in eager.compilation_config.splitting_ops
     )
+
+
+def _config_asking(**cache):
+    from types import SimpleNamespace
+
+    import torch
+
+    cache = {"cache_dtype": "auto", "mamba_cache_dtype": "auto", "mamba_ssm_cache_dtype": "auto", **cache}
+    return SimpleNamespace(
+        model_config=SimpleNamespace(
+            dtype=torch.bfloat16,
+            hf_config=SimpleNamespace(hidden_size=64, head_dim=32, num_hidden_layers=2),
+            model="/nonexistent",
+        ),
+        cache_config=SimpleNamespace(enable_prefix_caching=False, **cache),
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1),
+        speculative_config=None,
+    )
+
+
+@pytest.mark.parametrize(
+    "flag, attr, value",
+    [
+        ("--kv-cache-dtype", "cache_dtype", "fp8"),
+        ("--kv-cache-dtype", "cache_dtype", "fp8_e5m2"),
+        ("--mamba-ssm-cache-dtype", "mamba_ssm_cache_dtype", "float32"),
+    ],
+)
+def test_every_adapter_refuses_a_cache_dtype_it_does_not_store(flag, attr, value):
+    """A cache-dtype flag is honoured or refused at start-up in one line naming the flag and what is served;
+    'auto' and the model dtype itself pass."""
+    from ascend_adapters.common.policy import cache_dtype_refusal
+    from ascend_adapters.deepseek_v4.policy import check_startup as deepseek_v4_check
+    from ascend_adapters.glm_dsa.policy import check_startup as glm_dsa_check
+    from ascend_adapters.rwkv7.policy import unsupported_reasons
+
+    config = _config_asking(**{attr: value})
+    for check in (glm_dsa_check, deepseek_v4_check):
+        with pytest.raises(
+            Exception, match=rf"{flag} {value} is not served: .* model dtype \(bfloat16\); serve with {flag} auto"
+        ):
+            check(config)
+    assert any(f"{flag} {value} is not served: the recurrent state" in r for r in unsupported_reasons(config))
+    assert cache_dtype_refusal(_config_asking(), "x") is None
+    assert cache_dtype_refusal(_config_asking(cache_dtype="bfloat16", mamba_cache_dtype="bfloat16"), "x") is None
+    assert not unsupported_reasons(_config_asking())

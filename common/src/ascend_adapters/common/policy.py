@@ -106,6 +106,32 @@ def install_policy(
     return done
 
 
+# the cache-dtype flags of vLLM's CacheConfig (the same names in 0.27.1, 0.28.0 and 0.32.0): the attention
+# cache's, and the recurrent state's (mamba_ssm falls back to mamba_cache_dtype under 'auto')
+CACHE_DTYPE_FLAGS = {
+    "cache_dtype": "--kv-cache-dtype",
+    "mamba_cache_dtype": "--mamba-cache-dtype",
+    "mamba_ssm_cache_dtype": "--mamba-ssm-cache-dtype",
+}
+
+
+def cache_dtype_refusal(vllm_config, what: str) -> str | None:
+    """One line refusing a cache-dtype flag the adapter does not honour (None: every flag is 'auto' or names
+    the model dtype, which is what the adapter stores ``what`` in)."""
+    import torch
+
+    dtype = vllm_config.model_config.dtype
+    model_dtype = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+    for attr, flag in CACHE_DTYPE_FLAGS.items():
+        asked = str(getattr(vllm_config.cache_config, attr, "auto"))
+        if asked not in ("auto", model_dtype):
+            return (
+                f"{flag} {asked} is not served: {what} is stored in the model dtype ({model_dtype}); "
+                f"serve with {flag} auto"
+            )
+    return None
+
+
 def speculation_refusal(vllm_config, methods: tuple[str, ...]) -> str | None:
     """Why a speculative config is refused (None: none asked for, or a method the adapter serves).
 

@@ -46,6 +46,11 @@ def route_mtp_draft(vllm_config) -> None:
 
 
 def check_startup(vllm_config) -> None:
+    from ascend_adapters.common.policy import cache_dtype_refusal
+
+    refusal = cache_dtype_refusal(vllm_config, "the window, compressed-entry and indexer caches")
+    if refusal:
+        raise ValueError(f"{ARCH} (ascend-adapters portable path): {refusal}")
     model_config = vllm_config.model_config
     hf = model_config.hf_config
     if getattr(hf, "model_type", None) != MODEL_TYPE or not hasattr(hf, "layer_types"):

@@ -3,7 +3,8 @@
 Installed through ``ascend_adapters.common.policy`` on vLLM's per-architecture
 config hook for ``GlmMoeDsaForCausalLM``, over vLLM's own class for it: vLLM's
 checks run first, then ``check_startup``: speculative decoding only with the
-checkpoint's MTP layer (``mtp``, see ``route_mtp_draft``), the checkpoint's
+checkpoint's MTP layer (``mtp``, see ``route_mtp_draft``), cache-dtype flags other than
+the model dtype (the latent cache is stored in it), the checkpoint's
 ``index_topk`` is present in config.json, and an attention path exists for
 ``max_model_len`` (fails closed when the sparse path is disabled). It also makes
 the attention op a splitting op of vLLM's piecewise compilation.
@@ -31,7 +32,7 @@ def route_mtp_draft(vllm_config) -> None:
 
 
 def check_startup(vllm_config) -> None:
-    from ascend_adapters.common.policy import compile_split_at, speculation_refusal
+    from ascend_adapters.common.policy import cache_dtype_refusal, compile_split_at, speculation_refusal
     from ascend_adapters.glm_dsa import SPECULATIVE_METHODS, SPLITTING_OPS
     from ascend_adapters.glm_dsa.config import (
         GlmDsaConfigError,
@@ -40,7 +41,8 @@ def check_startup(vllm_config) -> None:
         raw_config_dict,
     )
 
-    refusal = speculation_refusal(vllm_config, SPECULATIVE_METHODS)
+    refusal = cache_dtype_refusal(vllm_config, "the latent cache (kv_c, k_pe, indexer keys)")
+    refusal = refusal or speculation_refusal(vllm_config, SPECULATIVE_METHODS)
     if refusal:
         raise GlmDsaConfigError(f"{ARCH} (ascend-adapters): {refusal}")
     if vllm_config.speculative_config is not None:

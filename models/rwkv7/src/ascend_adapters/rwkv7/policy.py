@@ -16,7 +16,9 @@ class Rwkv7UnsupportedError(ValueError):
 
 
 def unsupported_reasons(vllm_config) -> list[str]:
-    reasons = []
+    from ascend_adapters.common.policy import cache_dtype_refusal
+
+    reasons = [r for r in (cache_dtype_refusal(vllm_config, "the recurrent state"),) if r]
     par = vllm_config.parallel_config
     tp = par.tensor_parallel_size
     cfg = vllm_config.model_config.hf_config
