@@ -157,13 +157,14 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         weight = dispatch.op("modelslim.pack_weight")(layer.weight.data)
 
         out_dtype = layer.modelslim_out_dtype
-        cpu_path = portable.cpu_layout(out_dtype)["path"] if weight.device.type == "cpu" else "none"
+        on_cpu = weight.device.type == "cpu" and path_for_device("cpu") is KernelPath.PORTABLE
+        cpu_path = portable.cpu_layout(out_dtype)["path"] if on_cpu else "cpu"
 
         def cpu_linear():
-            if path_for_device(weight.device.type) is not KernelPath.PORTABLE:
+            if not on_cpu:
                 return "the NPU path"
             linear = portable.cpu_dynamic_linear(weight, layer.weight_scale, out_dtype)
-            return linear if linear is not None else "no engine int8 GEMM for this weight"
+            return linear if linear is not None else f"{out_dtype} takes the torch path on this CPU"
 
         choice = dispatch.choose("modelslim.w8a8_dynamic_linear", [(cpu_path, cpu_linear)])
         if choice.source in CPU_PATHS:
