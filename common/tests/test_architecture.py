@@ -299,3 +299,39 @@ def test_deepseek_v4_memory_is_config_arithmetic():
         if mod.startswith("ascend_adapters.deepseek_v4.") and not mod.startswith("ascend_adapters.deepseek_v4.config")
     ]
     assert not bad, f"{memory.relative_to(ROOT)} imports more than the config:\n" + "\n".join(bad)
+
+
+def _string_constants(path: Path) -> set[str]:
+    return {n.value for n in ast.walk(_parse(path)) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+
+
+def test_every_node_id_the_noxfile_names_exists():
+    """Each node id of noxfile.py's FAST_SERVED_GATES (`nox -s tests`) and CAPABILITY_GATES (`nox -s
+    capability_gates`) names a test file and a test function defined in it, once per tuple; a parametrized
+    id's parameters are string constants of its folder's test modules. Read with ast: nothing imported or run
+    (a renamed test would otherwise leave CI running a selection pytest cannot find)."""
+    tuples = {}
+    for node in _parse(ROOT / "noxfile.py").body:
+        if isinstance(node, ast.Assign) and isinstance(node.targets[0], ast.Name):
+            if node.targets[0].id in ("FAST_SERVED_GATES", "CAPABILITY_GATES"):
+                tuples[node.targets[0].id] = ast.literal_eval(node.value)
+    assert set(tuples) == {"FAST_SERVED_GATES", "CAPABILITY_GATES"}, f"noxfile.py defines only {sorted(tuples)}"
+    bad = []
+    for name, node_ids in tuples.items():
+        bad += [f"{name}: {n} named twice" for n in sorted({n for n in node_ids if node_ids.count(n) > 1})]
+        for node_id in node_ids:
+            file, _, test = node_id.partition("::")
+            func, _, params = test.partition("[")
+            path = ROOT / file
+            if not (path.is_file() and path.name.startswith("test_") and func.startswith("test_")):
+                bad.append(f"{name}: {node_id}: no test file {file} or not a test function")
+                continue
+            tree = _parse(path)
+            defined = {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+            if func not in defined:
+                bad.append(f"{name}: {node_id}: {file} defines no {func}")
+            elif params:
+                constants = set().union(*(_string_constants(p) for p in path.parent.glob("*.py")))
+                missing = [p for p in params.removesuffix("]").split("-") if p not in constants]
+                bad += [f"{name}: {node_id}: no parameter {p!r} in {path.parent.relative_to(ROOT)}" for p in missing]
+    assert not bad, "noxfile.py names tests that do not exist:\n" + "\n".join(bad)
