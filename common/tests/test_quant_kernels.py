@@ -32,7 +32,6 @@ def _exact_acc(xq, w):
 
 @pytest.fixture(params=["int_mm", "fallback"])
 def matmul_path(request, monkeypatch):
-    monkeypatch.setattr(pk, "_ONEDNN_OK", False)  # the torch paths; the engine's GEMM is tested below
     if request.param == "fallback":
         monkeypatch.setattr(pk, "_INT_MM_OK", False)
     elif not pk._int_mm_available():
@@ -445,3 +444,16 @@ def test_kernel_ops_have_portable_and_npu_implementations():
     ops = dispatch.registered_ops()
     for name in OPS:
         assert ops[name] == {"portable": True, "npu": True}, name
+
+
+def test_the_op_with_a_plain_weight_is_the_torch_path_and_keeps_nothing_on_the_weight():
+    """No hidden state: the op called with a plain int8 weight computes the equation in torch and stores
+    nothing beside the weight (the CPU linears are made once per layer at load, not cached on tensors)."""
+    x, w, ws, bias = _linear_case(torch.bfloat16, True)
+    before = dict(w.__dict__)
+    y = pk.w8a8_dynamic_linear(x, w, ws, bias)
+    assert w.__dict__ == before
+    xq, s = _equation_int8(x)
+    ref = (_exact_acc(xq, w).double() * s.double() * ws.double() + bias.double()).float()
+    assert torch.equal(y, (_exact_acc(xq, w).float() * (s * ws.reshape(1, -1)) + bias.float()).to(torch.bfloat16))
+    assert ((y.double() - ref.double()).abs() <= 2.0**-8 * ref.double().abs() + 1e-6).all()

@@ -20,7 +20,7 @@ rounding to x.dtype; its fused quantizer only where a second probe finds it with
 ``round(x / s)``); for bfloat16, the plain int8 weight through torch's int8pack kernel where the engine's
 GEMM is not exact or much slower at decode sizes (``PackedInt8Linear``: one more bfloat16 rounding); else
 the torch path below. A quantized layer keeps one copy of its weight (``EngineInt8Linear``'s prepacked one,
-or ``PackedInt8Linear``'s plain one); a plain weight passed to the op keeps its linear beside it.
+or ``PackedInt8Linear``'s plain one); the op itself, called with a plain weight, is the torch path.
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
 """
 
@@ -337,41 +337,15 @@ def cpu_dynamic_linear(
     return None
 
 
-# the process's layout is fixed once decided: a constant of a traced graph, so a compiled model whose
-# dtype takes the torch path never traces the per-weight cache below
-@torch.compiler.assume_constant_result
-def _serves_cpu_linear(dtype: torch.dtype) -> bool:
-    return _onednn() is not None and cpu_layout(dtype)["path"] != "torch"
-
-
-def _cached_engine_linear(weight: torch.Tensor, scale: torch.Tensor, out_dtype: torch.dtype):
-    """For callers that pass a plain weight: prepacked once per weight tensor and output dtype, kept beside it.
-
-    Only for a weight that owns its storage; views (an expert sliced out of a stacked tensor per call)
-    take the torch path rather than prepacking on every call.
-    """
-    if weight._base is not None or weight.requires_grad or not scale.is_contiguous():
-        return None
-    cache = weight.__dict__.setdefault("_ascend_onednn", {})
-    key = (scale.data_ptr(), scale.numel(), out_dtype)
-    if key not in cache:
-        cache[key] = cpu_dynamic_linear(weight, scale, out_dtype)
-    return cache[key]
-
-
 @dispatch.portable("modelslim.w8a8_dynamic_linear")
 def w8a8_dynamic_linear(
     x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype."""
+    """``x [..., K]`` float, ``weight [N, K]`` int8, ``weight_scale [N]`` float32 -> ``[..., N]`` in x.dtype.
+
+    The portable reference of the op: exact int32 products, one rounding to x.dtype. A quantized layer on CPU
+    runs the linear ``cpu_dynamic_linear`` made for its weight at load instead, where one serves."""
     scale = weight_scale.reshape(-1).float()
-    engine = (
-        _cached_engine_linear(weight, scale, x.dtype)
-        if x.device.type == "cpu" and _serves_cpu_linear(x.dtype)
-        else None
-    )
-    if engine is not None:
-        return engine(x, bias)
     shape = x.shape
     x2 = x.reshape(-1, shape[-1])
     xq, s = quantize_per_token(x2)
