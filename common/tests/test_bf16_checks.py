@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ascend_adapters.testing.bf16 import decision_near_ties, follow_near_ties
+from ascend_adapters.testing.bf16 import decision_near_ties, follow_near_ties, following_references
+from ascend_adapters.testing.parity import SeqLogits
 
 N, C, V = 12, 3, 16
 BOUND = 0.5
@@ -60,3 +61,26 @@ def test_a_deviation_no_decision_explains():
     served[3] += 1.0  # not a choice at all
     out = follow_near_ties(served, BOUND, _reference)
     assert out["first_unexplained"] == 3 and out["flips"] == []
+
+
+def test_following_references_reuse_the_unforced_forwards():
+    """The gates' pairing and follower from one ``forward``: each model's unforced forward runs once,
+    and the follower takes the same flips as from a reference that runs every forward."""
+    calls = []
+
+    def forward(model, ids, forced):
+        assert len(ids) == N
+        calls.append((model, tuple(forced)))
+        scores, shift = (SCORES16, 0.0) if model == "m16" else (SCORES32, 0.001)
+        decisions = [{"scores": scores, "valid": torch.ones(N, C, dtype=torch.bool), "k": 1}]
+        return _reference(forced, False)[0] + shift, decisions
+
+    choice = [0, 0, 0, 0, 1, 0, 0, 0, 2, 0, 0, 0]
+    served = SeqLogits(prompt_ids=list(range(8)), gen_ids=[1, 2, 3, 4, 5], logits=_logits(choice))
+    per_seq, (reference,) = following_references([served], forward, "m16", "m32")
+    assert calls == [("m16", ()), ("m32", ())]
+    assert torch.equal(per_seq[0]["r16"], _logits([0] * N)) and per_seq[0]["prompt_len"] == 8
+    out = follow_near_ties(per_seq[0]["served"], BOUND, reference)
+    assert out == follow_near_ties(_logits(choice), BOUND, _reference)
+    assert [(f["position"], f["swap"]) for f in out["flips"]] == [(4, [0, 1]), (8, [0, 2])]
+    assert ("m16", ()) not in calls[2:] and ("m32", ()) not in calls[2:]  # the first round reused them

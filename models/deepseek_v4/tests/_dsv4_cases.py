@@ -9,7 +9,8 @@ from pathlib import Path
 import torch
 
 from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny  # noqa: F401  (W8A8_PLAN re-exported for tests)
-from ascend_adapters.testing.w8a8_reference import DynamicExperts, compare_within_rounding, quantize_linear
+from ascend_adapters.testing.parity import compare
+from ascend_adapters.testing.w8a8_reference import FOLLOWING, DynamicExperts, compare_within_rounding, quantize_linear
 
 # DeepSeek's own config keys for the same architecture (as in DeepSeek-V4 releases).
 _NATIVE_RATIO = {"sliding_attention": 0, "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
@@ -181,6 +182,36 @@ def w8a8_reference(float_dir, plan: dict, tensor_parallel: int = 1):
 def compare_w8a8(sequences, model, tol: float) -> dict:
     """``testing.w8a8_reference.compare_within_rounding`` against ``model`` (a ``w8a8_reference``)."""
     return compare_within_rounding(sequences, reference_fn(model), tol)
+
+
+def check_against_w8a8_reference(rec, split: str, res, float_dir, reference, reference_name: str, tol: float):
+    """The checks of every W8A8 gate (the parity gate, PP=2, EP=2): the served logits ``res``
+    (``parity.SeqLogits``) within ``tol`` of the independently quantized ``reference`` (a
+    ``w8a8_reference``, following its near-boundary roundings), its greedy tokens, and logits that differ
+    from the float model's by more than ``tol`` (the export really is int8); ``split`` names the
+    parallel layout in the checks ("" for none). Returns (all passed, the reports)."""
+    who = f"{split} " if split else ""
+    int8_rep = compare_w8a8([(r.prompt_ids, r.gen_ids, r.logits) for r in res], reference, tol)
+    float_rep = compare(res, reference_fn(hf_model(float_dir)))
+    rec.metric("max_abs_diff_vs_int8_reference", int8_rep["max_abs_diff"])
+    rec.metric("per_sequence_vs_int8_reference", int8_rep["per_sequence"])
+    rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
+    rec.metric("greedy_identical_to_float_model", float_rep.tokens_identical)
+    rec.metric("float_model_first_divergence", float_rep.first_divergence)
+    oks = [
+        rec.check(
+            f"{who}logits within {tol} of the {reference_name} at every position, {FOLLOWING}",
+            int8_rep["within_bound"],
+            int8_rep["per_sequence"],
+        ),
+        rec.check(f"{who}greedy tokens identical to the quantized reference", int8_rep["tokens_identical"]),
+        rec.check(
+            "the export really is int8 (logits differ from the float model)",
+            float_rep.max_abs_diff > tol,
+            f"{float_rep.max_abs_diff:.3e}",
+        ),
+    ]
+    return all(oks), {"vs_int8_reference": int8_rep, "max_abs_diff_vs_float_model": float_rep.max_abs_diff}
 
 
 def skipped_weights(model) -> dict:

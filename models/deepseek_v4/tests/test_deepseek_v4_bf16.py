@@ -49,7 +49,7 @@ from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.bf16 import (
     check_continuous,
     check_discrete,
-    following_reference,
+    following_references,
     paired_sequences,
     rounding_scale,
 )
@@ -72,7 +72,7 @@ def _load(model_dir, dtype):
     return DeepseekV4ForCausalLM.from_pretrained(str(model_dir), dtype=dtype).eval()
 
 
-def _forward(model, ids, hooks=None, forced=()):
+def _forward(model, ids, forced=(), hooks=None):
     """Logits ``[n, V]`` of one sequence, and the decisions ``hooks`` recorded (``forced`` taken the other way)."""
     rec = []
     handles = hooks(model, rec, forced) if hooks else []
@@ -149,7 +149,7 @@ def _serve(model_dir):
     return res
 
 
-def _paired(model_dir, res, m16, m32):
+def _paired(res, m16, m32):
     seqs = [s.positions_ids for s in res]
     return paired_sequences(res, [_forward(m16, ids)[0] for ids in seqs], [_forward(m32, ids)[0] for ids in seqs])
 
@@ -157,7 +157,7 @@ def _paired(model_dir, res, m16, m32):
 @pytest.fixture(scope="module")
 def continuous(tmp_path_factory):
     d = make_tiny(tmp_path_factory.mktemp("dsv4bf16") / "continuous", seed=SEED, **CONTINUOUS)
-    return rounding_scale(_paired(d, _serve(d), _load(d, torch.bfloat16), _load(d, torch.float32)))
+    return rounding_scale(_paired(_serve(d), _load(d, torch.bfloat16), _load(d, torch.float32)))
 
 
 def test_bfloat16_continuous_every_position_within_rounding(continuous, evidence_root):
@@ -180,16 +180,7 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
                 "scorer: each decision's scores in both")  # fmt: skip
     res = _serve(d)
     m16, m32 = _load(d, torch.bfloat16), _load(d, torch.float32)
-
-    per_seq = _paired(d, res, m16, m32)
-    references = [
-        following_reference(
-            partial(_forward, m16, s.positions_ids, _decisions),
-            partial(_forward, m32, s.positions_ids, _decisions),
-            len(s.positions_ids),
-        )
-        for s in res
-    ]
+    per_seq, references = following_references(res, partial(_forward, hooks=_decisions), m16, m32)
     ok = check_discrete(rec, continuous, per_seq, references, MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -43,13 +43,20 @@ its input with that half's own per-token scale; whole experts under EP see the s
 from __future__ import annotations
 
 import pytest
-from _dsv4_cases import TINY_CONFIG, W8A8_PLAN, compare_w8a8, hf_model, prompts, reference_fn, w8a8_reference
+from _dsv4_cases import (
+    TINY_CONFIG,
+    W8A8_PLAN,
+    check_against_w8a8_reference,
+    hf_model,
+    prompts,
+    reference_fn,
+    w8a8_reference,
+)
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.modelslim import export_w8a8
 from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
-from ascend_adapters.testing.w8a8_reference import FOLLOWING
 
 TOL = 1e-3
 LENGTHS = (7, 16, 61, 150)  # as the TP=1 gate: inside the window (16) and ~10x beyond it
@@ -82,27 +89,6 @@ def _lookup(results):
         return table[key]
 
     return ref
-
-
-def _check_against_w8a8_reference(rec, split: str, res, float_dir, reference, reference_name: str):
-    """The checks of both W8A8 split gates: the engine's logits within the bound of the independently
-    quantized ``reference`` (following its near-boundary roundings), its greedy tokens, and logits that
-    differ from the float model's (the export really is int8). Returns (all passed, the reports)."""
-    int8_rep = compare_w8a8([(r.prompt_ids, r.gen_ids, r.logits) for r in res], reference, TOL)
-    float_rep = compare(res, reference_fn(hf_model(float_dir)))
-    rec.metric("max_abs_diff_vs_int8_reference", int8_rep["max_abs_diff"])
-    rec.metric("per_sequence_vs_int8_reference", int8_rep["per_sequence"])
-    rec.metric("max_abs_diff_vs_float_model", float_rep.max_abs_diff)
-    oks = [
-        rec.check(
-            f"{split} logits within {TOL} of the {reference_name}, {FOLLOWING}",
-            int8_rep["within_bound"],
-            int8_rep["per_sequence"],
-        ),
-        rec.check(f"{split} greedy tokens identical to the quantized reference", int8_rep["tokens_identical"]),
-        rec.check("the export really is int8 (logits differ from the float model)", float_rep.max_abs_diff > TOL),
-    ]
-    return all(oks), {"vs_int8_reference": int8_rep, "max_abs_diff_vs_float_model": float_rep.max_abs_diff}
 
 
 @pytest.mark.vllm
@@ -236,8 +222,8 @@ def test_pipeline_parallel_2_w8a8_dynamic(tmp_path, evidence_root):
     rep = compare(res, _lookup(pp1))
     rec.metric("max_abs_diff_pp2_vs_pp1", rep.max_abs_diff)
     ok = rec.check("PP=2 logits within 1e-3 of PP=1 on the export", rep.max_abs_diff < TOL, f"{rep.max_abs_diff:.3e}")
-    ok_w8a8, w8a8_reps = _check_against_w8a8_reference(
-        rec, "PP=2", res, float_dir, w8a8_reference(float_dir, W8A8_PLAN), "independently quantized reference"
+    ok_w8a8, w8a8_reps = check_against_w8a8_reference(
+        rec, "PP=2", res, float_dir, w8a8_reference(float_dir, W8A8_PLAN), "independently quantized reference", TOL
     )
     rec.write(evidence_root)
     assert ok and ok_w8a8, (rep.as_dict(), w8a8_reps)
@@ -257,13 +243,14 @@ def test_expert_parallel_2_w8a8_dynamic_experts(tmp_path, evidence_root):
     res = vllm_logits(
         export, [ps], max_tokens=MAX_TOKENS, llm_kwargs=_parallel(enable_expert_parallel=True), env=_two_cpus()
     )
-    ok, w8a8_reps = _check_against_w8a8_reference(
+    ok, w8a8_reps = check_against_w8a8_reference(
         rec,
         "EP=2",
         res[0],
         float_dir,
         w8a8_reference(float_dir, W8A8_PLAN, tensor_parallel=2),
         "per-rank independently quantized reference",
+        TOL,
     )
     rec.write(evidence_root)
     assert ok, w8a8_reps

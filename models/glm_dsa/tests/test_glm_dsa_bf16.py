@@ -40,7 +40,7 @@ from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.bf16 import (
     check_continuous,
     check_discrete,
-    following_reference,
+    following_references,
     paired_sequences,
     rounding_scale,
 )
@@ -140,7 +140,7 @@ def _load(ckpt, dtype):
     return GlmMoeDsaForCausalLM.from_pretrained(str(ckpt), dtype=dtype, attn_implementation="eager").eval()
 
 
-def _forward(model, ids, hooks=None, forced=()):
+def _forward(model, ids, forced=(), hooks=None):
     """Logits ``[n, V]`` of one sequence, and the decisions ``hooks`` recorded (``forced`` taken the other way)."""
     rec = []
     handles = hooks(model, rec, forced) if hooks else []
@@ -186,15 +186,7 @@ def test_bfloat16_discrete_choices_flip_only_at_near_ties(continuous, tmp_path, 
                 "scores in both")  # fmt: skip
     res = _serve(ckpt)
     m16, m32 = _load(ckpt, torch.bfloat16), _load(ckpt, torch.float32)
-
-    references = [
-        following_reference(
-            partial(_forward, m16, s.positions_ids, _decisions),
-            partial(_forward, m32, s.positions_ids, _decisions),
-            len(s.positions_ids),
-        )
-        for s in res
-    ]
-    ok = check_discrete(rec, continuous, _paired(res, m16, m32), references, MIN_COMPARED)
+    per_seq, references = following_references(res, partial(_forward, hooks=_decisions), m16, m32)
+    ok = check_discrete(rec, continuous, per_seq, references, MIN_COMPARED)
     rec.write(evidence_root)
     assert ok, rec.checks

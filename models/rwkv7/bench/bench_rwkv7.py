@@ -540,11 +540,12 @@ def main(argv=None) -> int:
     ap.add_argument("--_rwkv-worker", nargs=2, help=argparse.SUPPRESS)
     ap.add_argument("--_served-worker", nargs=3, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    refuse_busy_machine(args)
     if args._rwkv_worker:
         return _rwkv_worker(*args._rwkv_worker)
     if args._served_worker:
         return _served_worker(*args._served_worker)
+    # after the worker modes: a worker runs while its own bench loads the machine
+    refuse_busy_machine(args)
     load_at_start = os.getloadavg()
     if load_at_start[0] > len(os.sched_getaffinity(0)) / 2 and not args.allow_loaded:
         print(

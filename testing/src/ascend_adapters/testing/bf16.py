@@ -11,6 +11,7 @@ where two candidates are nearer than that; positions after such a near-tie may d
 from __future__ import annotations
 
 import itertools
+from functools import partial
 
 import torch
 
@@ -114,15 +115,36 @@ def decision_near_ties(decisions16: list[dict], decisions32: list[dict], n: int)
     return {"near_tie": gaps <= limits, "gap": gaps, "limit": limits, "swaps": swaps}
 
 
-def following_reference(forward16, forward32, n: int):
+def following_reference(forward16, forward32, n: int, unforced=None):
     """``follow_near_ties``' ``reference`` from the bfloat16 and float32 forwards of one sequence, each
-    ``forced -> (logits [n, V], decisions)`` with the hooked decisions in call order."""
+    ``forced -> (logits [n, V], decisions)`` with the hooked decisions in call order; ``unforced``:
+    their two results with nothing forced, where already run (the follower's first round reuses them)."""
 
     def run(forced, ties):
-        r16, decisions16 = forward16(forced)
-        return r16, (decision_near_ties(decisions16, forward32(forced)[1], n) if ties else None)
+        if not forced and unforced is not None:
+            (r16, decisions16), (_, decisions32) = unforced
+        else:
+            r16, decisions16 = forward16(forced)
+            decisions32 = forward32(forced)[1] if ties else None
+        return r16, (decision_near_ties(decisions16, decisions32, n) if ties else None)
 
     return run
+
+
+def following_references(served, forward, m16, m32) -> tuple[list[dict], list]:
+    """The served sequences (``parity.SeqLogits``) paired with the reference (``paired_sequences``) and
+    each one's ``following_reference``, from the bfloat16 and float32 reference models ``m16``, ``m32``
+    and ``forward(model, ids, forced) -> (logits [n, V], decisions)`` (the hooked decisions in call
+    order, each ``(d, t, i, j)`` in ``forced`` taken the other way). Each model's unforced forward of a
+    sequence runs once, for the pairing and the follower's first round."""
+    unforced = [(forward(m16, s.positions_ids, ()), forward(m32, s.positions_ids, ())) for s in served]
+    per_seq = paired_sequences(served, [u16[0] for u16, _ in unforced], [u32[0] for _, u32 in unforced])
+    references = [
+        following_reference(partial(forward, m16, s.positions_ids), partial(forward, m32, s.positions_ids),
+                            len(s.positions_ids), unforced=u)
+        for s, u in zip(served, unforced)
+    ]  # fmt: skip
+    return per_seq, references
 
 
 def follow_near_ties(served, bound: float, reference, max_tries: int = 6000) -> dict:

@@ -103,7 +103,9 @@ def vllm_logits(
 
 def _with_probe_path(env: dict, probe: str | None) -> dict:
     """``env`` with the folder of ``probe``'s module first on ``PYTHONPATH`` when that module is a
-    top-level one found outside the installed packages (a test folder's probe)."""
+    top-level one, wherever the test process finds it: a test folder's probe, but an installed
+    top-level module's folder goes first too. A module inside a package changes nothing (the
+    workers import it as installed)."""
     if probe is None:
         return env
     module = probe.partition(":")[0]
