@@ -205,7 +205,7 @@ def mtp_bench(run: BenchRun, prompt_len: int, gen: int) -> dict:
     (``MTP_DRAFTS`` drafts), one engine after the other: decode tokens/s at batch 1 and 8, greedy tokens
     compared, acceptance per draft position from vLLM's counters (``test_deepseek_v4_mtp`` holds served
     acceptance to this record)."""
-    from ascend_adapters.deepseek_v4.tiny import make_mtp_fitted
+    from ascend_adapters.testing.mtp_fit import make_deepseek_v4_mtp_fitted as make_mtp_fitted
 
     with tempfile.TemporaryDirectory(prefix="bench-dsv4-mtp-") as tmp:
         ckpt, fit = make_mtp_fitted(Path(tmp) / "fitted")

@@ -12,29 +12,22 @@ Written from DeepSeek's published inference code (DeepSeek-V4-Flash ``inference/
 
 plus one convention of vLLM's proposer that DeepSeek's code leaves to its caller: the embedding at
 position 0 is zeroed. The target's streams come from transformers' ``DeepseekV4ForCausalLM`` (the input of
-its ``hc_head``).
+its ``hc_head``); the decoder block is a one-layer transformers model holding the MTP block's decoder layer
+(``mtp_fit.deepseek_v4_mtp_block`` of the test layer, which the fit of the MTP layer trains through too).
 """
 
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
+
+from ascend_adapters.testing.mtp_fit import DEEPSEEK_V4_MTP_GLUE as GLUE
+from ascend_adapters.testing.mtp_fit import deepseek_v4_mtp_block
 
 EPS = 1e-6  # DeepSeek's norm_eps and hc_eps (ParallelHead(vocab, dim, norm_eps, hc_eps))
-GLUE = (
-    "e_proj.weight",
-    "h_proj.weight",
-    "enorm.weight",
-    "hnorm.weight",
-    "norm.weight",
-    "hc_head_fn",
-    "hc_head_base",
-    "hc_head_scale",
-)
 
 
 def _rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -53,22 +46,8 @@ class MtpReference:
         self.embed = tensors["model.embed_tokens.weight"].float()
         self.head = tensors["head.weight"].float()
         cfg = json.loads((ckpt / "config.json").read_text())
-        cfg.update(num_hidden_layers=1, layer_types=[mtp_layer_type], mlp_layer_types=[mtp_mlp_type])
-        cfg["num_nextn_predict_layers"] = 0
-        block = {
-            "model.layers.0." + k[len("mtp.0.") :]: v
-            for k, v in tensors.items()
-            if k.startswith("mtp.0.") and k[len("mtp.0.") :] not in GLUE
-        }
         # the one-layer model's own embedding / norm / hc head / head are never used
-        for k in ("model.embed_tokens.weight", "head.weight", "model.norm.weight"):
-            block[k] = tensors[k]
-        for k in ("hc_fn", "hc_base", "hc_scale"):
-            block[f"model.hc_head.{k}"] = tensors[f"model.hc_head.{k}"]
-        with tempfile.TemporaryDirectory() as tmp:
-            save_file(block, str(Path(tmp) / "model.safetensors"), metadata={"format": "pt"})
-            (Path(tmp) / "config.json").write_text(json.dumps(cfg))
-            self.block = DeepseekV4ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval().model
+        self.block = deepseek_v4_mtp_block(tensors, cfg, mtp_layer_type, mtp_mlp_type)
         self.hc = int(cfg["hc_mult"])
 
     @torch.no_grad()

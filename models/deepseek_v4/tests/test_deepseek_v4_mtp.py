@@ -7,11 +7,11 @@ a tensor, naming it; its logits over a prefill and a decode step equal an indepe
 block (``_dsv4_mtp_ref``: DeepSeek's published MTP math around transformers' decoder layer).
 
 Served (compiled, vLLM's default), at TP=1 and TP=2, on the bench's checkpoint whose MTP layer was fitted
-to its own model (``tiny.make_mtp_fitted``): greedy tokens and target logits equal transformers' while
-drafts are accepted at every draft position and rejected (rejected drafts roll back), and the acceptance
-per position does not fall below the bench record's (``bench-deepseek_v4-mtp``). A ModelSlim W8A8 export
-whose description quantizes some MTP entries, marks some FLOAT and omits the rest serves with MTP against
-the quantized reference.
+to its own model (``mtp_fit.make_deepseek_v4_mtp_fitted`` of the test layer): greedy tokens and target
+logits equal transformers' while drafts are accepted at every draft position and rejected (rejected drafts
+roll back), and the acceptance per position does not fall below the bench record's
+(``bench-deepseek_v4-mtp``). A ModelSlim W8A8 export whose description quantizes some MTP entries, marks
+some FLOAT and omits the rest serves with MTP against the quantized reference.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ascend_adapters.deepseek_v4.tiny import MTP_FITTED_HEAD_SCALE, TINY_CONFIG, W8A8_PLAN, make_tiny
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny
+from ascend_adapters.testing.mtp_fit import DEEPSEEK_V4_HEAD_SCALE
 from ascend_adapters.testing.w8a8_reference import FOLLOWING
 
 
@@ -80,7 +81,9 @@ def test_speculative_methods_other_than_mtp_are_refused_in_one_line(tmp_path):
     hf = make_tiny(tmp_path / "tiny")
     from ascend_adapters.deepseek_v4.config import load_transformers_config
 
-    mc = SimpleNamespace(hf_config=load_transformers_config(hf), model=str(hf), max_model_len=64, quantization=None)
+    mc = SimpleNamespace(
+        hf_config=load_transformers_config(hf), model=str(hf), max_model_len=64, quantization=None, dtype=torch.float32
+    )
     cfg = SimpleNamespace(
         speculative_config=spec, model_config=mc, cache_config=SimpleNamespace(enable_prefix_caching=False)
     )
@@ -182,33 +185,17 @@ TOL = 1e-3  # the eager parity gate's bound (test_deepseek_v4_parity.TOL)
 @pytest.fixture(scope="module")
 def inprocess_drafter(tmp_path_factory):
     from _dsv4_mtp_ref import MtpReference
-    from safetensors.torch import load_file
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
 
     from ascend_adapters.deepseek_v4 import register
     from ascend_adapters.deepseek_v4.mtp import DeepseekV4MTP
-    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.mtp_fit import inprocess_target_and_drafter
 
     ckpt = make_tiny(tmp_path_factory.mktemp("dsv4_mtp_ref") / "tiny", seed=4, mtp=True)
     register()
-    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=128, skip_tokenizer_init=True)
-    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
-    weights = load_file(str(ckpt / "model.safetensors"))
-    with set_current_vllm_config(cfg):
-        ensure_single_rank_parallel_state()
-        target = initialize_model(cfg)
-        target.load_weights(iter(weights.items()))
-        process_weights_after_loading(target, mc, torch.device("cpu"))
-        drafter = DeepseekV4MTP(vllm_config=cfg)
-        drafter.load_weights(iter(weights.items()))
-        process_weights_after_loading(drafter, mc, torch.device("cpu"))
-    # what vLLM's proposer does after loading the drafter
-    drafter.model.embed_tokens = target.model.embed_tokens
+    cfg, _, drafter = inprocess_target_and_drafter(ckpt, DeepseekV4MTP, max_model_len=128)
     for layer in drafter.model.layers.values():
-        layer.shared_head.head = target.lm_head
         for cache in layer.self_attn.caches.values():  # block 0 is vLLM's null block; the request has the rest
-            blocks = 1 + -(-mc.max_model_len // cache.geometry.block_size)
+            blocks = 1 + -(-cfg.model_config.max_model_len // cache.geometry.block_size)
             cache.kv_cache = torch.zeros(blocks, cache.rows_per_block, cache.geometry.width)
     return cfg, drafter, MtpReference(ckpt)
 
@@ -269,12 +256,12 @@ BENCH_RECORD = Path(__file__).resolve().parents[3] / "evidence" / "deepseek_v4" 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
     """The bench's checkpoint: the tiny model with its MTP layer fitted to predict its own token after next
-    (``tiny.make_mtp_fitted``), and the transformers reference of its target."""
+    (``mtp_fit.make_deepseek_v4_mtp_fitted``), and the transformers reference of its target."""
     from _dsv4_cases import hf_model, reference_fn
 
-    from ascend_adapters.deepseek_v4.tiny import make_mtp_fitted
+    from ascend_adapters.testing.mtp_fit import make_deepseek_v4_mtp_fitted
 
-    ckpt, fit = make_mtp_fitted(tmp_path_factory.mktemp("dsv4_mtp") / "fitted")
+    ckpt, fit = make_deepseek_v4_mtp_fitted(tmp_path_factory.mktemp("dsv4_mtp") / "fitted")
     return ckpt, reference_fn(hf_model(ckpt)), fit
 
 
@@ -314,8 +301,8 @@ def _record(run: dict, gate: str, llm_kwargs: dict):
 
     rec = EvidenceRecord(model="deepseek_v4", gate=gate, started=run["started"])
     rec.command(
-        f"vllm.LLM(<tiny.make_mtp_fitted>, {llm_kwargs}): 4 prompts batched (chunked prefill), then the longest "
-        "and the shortest alone; reference transformers DeepseekV4ForCausalLM float32"
+        f"vllm.LLM(<mtp_fit.make_deepseek_v4_mtp_fitted>, {llm_kwargs}): 4 prompts batched (chunked prefill), "
+        "then the longest and the shortest alone; reference transformers DeepseekV4ForCausalLM float32"
     )
     c = run["counters"]
     rec.metric("max_abs_logit_diff", run["worst"])
@@ -393,10 +380,10 @@ def test_acceptance_does_not_fall_below_the_bench_record(fitted, served):
 MTP_PLAN = {"mtp.*.ffn.experts.*": "FLOAT", **W8A8_PLAN}
 OMITTED = re.compile(r"^mtp\.0\.([eh]_proj|enorm|hnorm|norm|hc_head_)")
 # The W8A8 gate's bound (test_deepseek_v4_w8a8.TOL, 1e-3) is for logits at the tiny model's scale; the
-# fitted checkpoint's head is that of a model scaled by MTP_FITTED_HEAD_SCALE, which scales every logit
+# fitted checkpoint's head is that of a model scaled by DEEPSEEK_V4_HEAD_SCALE, which scales every logit
 # difference alike (an int8 rounding that flips between the engine and the reference moves the logits
 # by that factor more).
-W8A8_TOL = 1e-3 * MTP_FITTED_HEAD_SCALE
+W8A8_TOL = 1e-3 * DEEPSEEK_V4_HEAD_SCALE
 
 
 @pytest.mark.vllm
@@ -437,9 +424,9 @@ def test_mtp_on_w8a8_export(fitted, tmp_path, evidence_root):
     record = json.loads(BENCH_RECORD.read_text())["metrics"]["mtp"]["acceptance_per_position"]
     measured = [n / max(drafts, 1) for n in c["vllm:spec_decode_num_accepted_tokens_per_pos"]]
     floors = [acceptance_floor(r, max(drafts, 1)) for r in record]
-    rec.command(f"tiny.make_mtp_fitted + export_w8a8(plan={MTP_PLAN}), {len(omitted)} MTP entries removed from "
-                f"the description; vllm.LLM(<export>, {kwargs}) greedy {MAX_TOKENS} tokens, {len(LENGTHS)} prompts "
-                "batched")  # fmt: skip
+    rec.command(f"mtp_fit.make_deepseek_v4_mtp_fitted + export_w8a8(plan={MTP_PLAN}), {len(omitted)} MTP entries "
+                f"removed from the description; vllm.LLM(<export>, {kwargs}) greedy {MAX_TOKENS} tokens, "
+                f"{len(LENGTHS)} prompts batched")  # fmt: skip
     rec.metric("mtp_layers_by_description_type", mtp_types)
     rec.metric("mtp_entries_omitted", omitted)
     rec.metric("max_abs_diff_vs_quantized_reference", quant["max_abs_diff"])

@@ -269,25 +269,41 @@ def served_bench(tmp: Path, baseline_src: Path, gen: int, quick: bool) -> dict:
 
 # Graph mode is what vLLM serves by default: compiled decode must not be slower than --enforce-eager.
 COMPILED_TARGET = 1.0
+# Engine starts per mode: a decode rate is the difference of two short timings, and one start's best of two
+# swung the compiled-over-eager ratio between 0.65x and 2.1x across records on the tiny model; each side's
+# rate is its best over this many starts, the starts of the two modes interleaved.
+COMPILED_STARTS = 3
 
 
 def compiled_vs_eager(ckpt: Path, mml: int, jobs: list[dict], eager: dict) -> dict:
-    """The same jobs on a compiled engine (vLLM's default) against the eager run of this tree."""
-    comp = run_engine(ckpt, {"max_model_len": mml, "enforce_eager": False}, jobs, None)
-    out = {"startup_s": {"compiled": comp["startup_s"], "eager": eager["startup_s"]}}
-    for jc, je in zip(comp["results"], eager["results"]):
-        ratio = jc["decode_tokens_per_s"] / je["decode_tokens_per_s"]
-        out[f"batch{jc['batch']}"] = {
-            "compiled_decode_tok_s": jc["decode_tokens_per_s"],
-            "eager_decode_tok_s": je["decode_tokens_per_s"],
+    """The same jobs on a compiled engine (vLLM's default) against eager engines of this tree, COMPILED_STARTS
+    starts each (``eager`` is the first eager one), interleaved; each side's best decode rate per job."""
+    eagers, comps = [eager], []
+    for start in range(COMPILED_STARTS):
+        comps.append(run_engine(ckpt, {"max_model_len": mml, "enforce_eager": False}, jobs, None))
+        if start + 1 < COMPILED_STARTS:
+            eagers.append(run_engine(ckpt, {"max_model_len": mml}, jobs, None))
+    out = {
+        "engine_starts_per_mode": COMPILED_STARTS,
+        "startup_s": {"compiled": [c["startup_s"] for c in comps], "eager": [e["startup_s"] for e in eagers]},
+    }
+    for i, job in enumerate(jobs):
+        rates = {
+            "compiled": [c["results"][i]["decode_tokens_per_s"] for c in comps],
+            "eager": [e["results"][i]["decode_tokens_per_s"] for e in eagers],
+        }
+        ratio = max(rates["compiled"]) / max(rates["eager"])
+        out[f"batch{job['batch']}"] = {
+            "compiled_decode_tok_s": max(rates["compiled"]),
+            "eager_decode_tok_s": max(rates["eager"]),
+            "per_start_decode_tok_s": rates,
             "ratio_compiled_over_eager": ratio,
-            "same_tokens": jc["ids"] == je["ids"],
+            "same_tokens": all(r["results"][i]["ids"] == eager["results"][i]["ids"] for r in comps + eagers),
         }
         print(
-            f"  served sparse batch {jc['batch']}: decode compiled {jc['decode_tokens_per_s']:8.1f} tok/s  eager "
-            f"{je['decode_tokens_per_s']:8.1f} tok/s  ratio {ratio:5.2f}x  same tokens: {jc['ids'] == je['ids']}"
+            f"  served sparse batch {job['batch']}: decode compiled {max(rates['compiled']):8.1f} tok/s  eager "
+            f"{max(rates['eager']):8.1f} tok/s (best of {COMPILED_STARTS} starts each)  ratio {ratio:5.2f}x"
         )
-    print(f"  start-up: compiled {comp['startup_s']:.1f} s, eager {eager['startup_s']:.1f} s")
     return out
 
 
@@ -303,7 +319,7 @@ def mtp_bench(tmp: Path, gen: int) -> dict:
     """Decode tokens/s of the MTP-fitted checkpoint with and without MTP (3 drafts), compiled, batch 1 and 8,
     timed by difference (``gen`` tokens minus one token, same prompts; best of 3: a run of 32 tokens moved
     the batch-1 ratio between 0.9x and 1.4x); acceptance per draft position from vLLM's counters."""
-    from ascend_adapters.glm_dsa.tiny import make_mtp_fitted
+    from ascend_adapters.testing.mtp_fit import make_glm_dsa_mtp_fitted as make_mtp_fitted
 
     ckpt, fit = make_mtp_fitted(tmp / "mtp")
     jobs = [

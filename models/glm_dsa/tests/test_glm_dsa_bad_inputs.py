@@ -379,7 +379,13 @@ def test_speculative_methods_other_than_mtp_are_refused_in_one_line():
         GlmDsaConfigError,
         match=r"speculative decoding method 'ngram' is not served .*served: mtp.*--speculative-config",
     ):
-        check_startup(SimpleNamespace(speculative_config=spec, model_config=None))
+        check_startup(
+            SimpleNamespace(
+                speculative_config=spec,
+                model_config=SimpleNamespace(dtype=torch.float32),
+                cache_config=SimpleNamespace(),
+            )
+        )
 
 
 def _mtp_config(architectures, num_nextn_predict_layers=1, pp=1):

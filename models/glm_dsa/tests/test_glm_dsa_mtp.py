@@ -1,6 +1,6 @@
 """Gate: GLM-DSA drafts with its own MTP layer through vLLM's speculative decoding (``method: mtp``).
 
-The checkpoint is ``tiny.make_mtp_fitted``: the released layout with its MTP layer
+The checkpoint is ``mtp_fit.make_glm_dsa_mtp_fitted`` (the test layer's): the released layout with its MTP layer
 (``model.layers.3.*``, plus GLM-5.1's copies of the embedding and head there, which the drafter skips
 because vLLM's proposer shares the target's), the layer fitted to predict its own model's token after
 next, so drafts are accepted and rejected.
@@ -8,7 +8,7 @@ next, so drafts are accepted and rejected.
 Served (one engine, compiled, vLLM's default): 3 draft tokens (the one MTP layer reused), four prompts
 of 3..100 tokens batched with chunked prefill (32 tokens per step; the sparse path),
 then the longest and the shortest alone, 24 tokens each (contexts up to 124 tokens, under the fitted
-checkpoint's index_topk 128: its greedy text repeats itself, so top-k scores nearly tie, see tiny.MTP_FITTED;
+checkpoint's index_topk 128: its greedy text repeats itself, so top-k scores nearly tie, see mtp_fit.GLM_DSA_FITTED;
 the selection itself is tested in process below and in test_glm_dsa_compiled). The target's logits at every generated step
 must match transformers on the same tokens within the compiled gate's bound, and its greedy tokens
 must be transformers' (so identical to decoding without MTP, which the parity gates tie to the same
@@ -64,9 +64,9 @@ BENCH_RECORD = Path(__file__).resolve().parents[3] / "evidence" / "glm_dsa" / "b
 
 @pytest.fixture(scope="module")
 def fitted(tmp_path_factory):
-    from ascend_adapters.glm_dsa.tiny import make_mtp_fitted
+    from ascend_adapters.testing.mtp_fit import make_glm_dsa_mtp_fitted
 
-    ckpt, fit = make_mtp_fitted(tmp_path_factory.mktemp("glm_dsa_mtp") / "fitted")
+    ckpt, fit = make_glm_dsa_mtp_fitted(tmp_path_factory.mktemp("glm_dsa_mtp") / "fitted")
     add_released_extras(ckpt)
     return ckpt, fit
 
@@ -140,7 +140,7 @@ def _checks(rec, run, label) -> bool:
 def test_mtp_served_parity(fitted, served, evidence_root):
     rec = EvidenceRecord(model="glm_dsa", gate="mtp_parity", started=served["started"])
     rec.command(
-        f"tiny.make_mtp_fitted(OUT) + GLM-5.1 copies in the MTP layer; vllm.LLM(OUT, {LLM_KWARGS}, "
+        f"mtp_fit.make_glm_dsa_mtp_fitted(OUT) + GLM-5.1 copies in the MTP layer; vllm.LLM(OUT, {LLM_KWARGS}, "
         f"logprobs_mode=raw_logits) greedy, {MAX_TOKENS} tokens, prompts of {LENGTHS} tokens batched, then "
         "the longest and the shortest alone"
     )
@@ -158,7 +158,9 @@ def test_mtp_served_parity_tp2(fitted, evidence_root):
     rec = EvidenceRecord(model="glm_dsa", gate="mtp_parity_tp2")
     kwargs = {**LLM_KWARGS, "tensor_parallel_size": 2, "distributed_executor_backend": "mp"}
     run = _serve(fitted[0], kwargs, env)
-    rec.command(f"vllm.LLM(tiny.make_mtp_fitted(OUT), {kwargs}) greedy, {MAX_TOKENS} tokens, batched then alone")
+    rec.command(
+        f"vllm.LLM(mtp_fit.make_glm_dsa_mtp_fitted(OUT), {kwargs}) greedy, {MAX_TOKENS} tokens, batched then alone"
+    )
     ok = _checks(rec, run, "tp2")
     rec.write(evidence_root)
     assert ok, rec.checks
@@ -193,7 +195,9 @@ def test_mtp_on_w8a8_export(fitted, w8a8_export, evidence_root):
         1e-4,
     )
     c = batch["counters"]
-    rec.command(f"tiny.make_mtp_fitted + make_export (MTP FLOAT); vllm.LLM(<export>, {kwargs}) greedy {MAX_TOKENS}")
+    rec.command(
+        f"mtp_fit.make_glm_dsa_mtp_fitted + make_export (MTP FLOAT); vllm.LLM(<export>, {kwargs}) greedy {MAX_TOKENS}"
+    )
     rec.metric("max_abs_diff_vs_quantized_reference", quant["max_abs_diff"])
     rec.metric("spec_decode_counters", c)
     ok = rec.check("the MTP layer is FLOAT in the description", mtp_types == ["FLOAT"], mtp_types)
@@ -225,31 +229,14 @@ def test_acceptance_does_not_fall_below_the_bench_record(served):
 
 @pytest.fixture(scope="module")
 def inprocess_drafter(tmp_path_factory):
-    from safetensors.torch import load_file
-    from vllm.config import CacheConfig, ModelConfig, VllmConfig, set_current_vllm_config
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-
     from ascend_adapters.glm_dsa import register
     from ascend_adapters.glm_dsa.mtp import GlmMoeDsaMTP
-    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.mtp_fit import inprocess_target_and_drafter
 
     ckpt = build(tmp_path_factory.mktemp("glm_dsa_drafter"), "tiny-sparse", index_topk=8)
     register()
-    mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=160, skip_tokenizer_init=True)
-    cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16, enable_prefix_caching=False))
-    weights = load_file(str(ckpt / "model.safetensors"))
-    with set_current_vllm_config(cfg):
-        ensure_single_rank_parallel_state()
-        target = initialize_model(cfg)
-        target.load_weights(iter(weights.items()))
-        process_weights_after_loading(target, mc, torch.device("cpu"))
-        drafter = GlmMoeDsaMTP(vllm_config=cfg)
-        drafter.load_weights(iter(weights.items()))
-        process_weights_after_loading(drafter, mc, torch.device("cpu"))
-    # what vLLM's proposer does after loading the drafter
-    drafter.model.embed_tokens = target.model.embed_tokens
+    cfg, _, drafter = inprocess_target_and_drafter(ckpt, GlmMoeDsaMTP, max_model_len=160, block_size=16)
     for layer in drafter.model.layers.values():
-        layer.shared_head.head = target.lm_head
         layer.self_attn.kv_cache = torch.zeros(8, 16, layer.self_attn.row_dim)
     return cfg, drafter, MtpReference(ckpt)
 
