@@ -27,7 +27,7 @@ On this CPU path both models run the portable kernels; the numbers say nothing a
 
 First (unless ``--skip-mtp``; ``--only-mtp`` runs only this part, record deepseek_v4/bench-deepseek_v4-mtp):
 MTP speculative decoding. A tiny checkpoint whose MTP layer was fitted to its own model
-(``tiny.make_mtp_fitted``) is served compiled with 2 MTP drafts and without: decode tokens/s at batch 1
+(``testing.mtp_fit.make_deepseek_v4_mtp_fitted``) is served compiled with 2 MTP drafts and without: decode tokens/s at batch 1
 and 8, greedy tokens compared, and the acceptance rate per draft position from vLLM's counters (target
 in ``MTP_TARGETS``; ``test_deepseek_v4_mtp`` holds served acceptance to this record).
 The script exits non-zero when a check of a record it wrote failed.
@@ -201,7 +201,7 @@ MTP_DRAFTS = 2  # as the served MTP gate (test_deepseek_v4_mtp.DRAFTS), so its f
 
 
 def mtp_bench(run: BenchRun, prompt_len: int, gen: int) -> dict:
-    """The MTP-fitted checkpoint (``tiny.make_mtp_fitted``) served compiled with and without MTP
+    """The MTP-fitted checkpoint (``testing.mtp_fit.make_deepseek_v4_mtp_fitted``) served compiled with and without MTP
     (``MTP_DRAFTS`` drafts), one engine after the other: decode tokens/s at batch 1 and 8, greedy tokens
     compared, acceptance per draft position from vLLM's counters (``test_deepseek_v4_mtp`` holds served
     acceptance to this record)."""

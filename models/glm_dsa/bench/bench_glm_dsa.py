@@ -18,7 +18,7 @@
    ``ascend_adapters.glm_dsa`` is extracted with ``git archive`` and put first on the engine's path.
 3. Graph mode: the sparse jobs again on an engine that compiles (vLLM's default) against the eager
    engine of part 2, decode tokens/s at batch 1 and 8 and start-up time; target: compiled not slower.
-4. Record ``bench_mtp`` (alone with ``--only-mtp``, left out with ``--skip-mtp``): the MTP-fitted checkpoint (``tiny.make_mtp_fitted``) served
+4. Record ``bench_mtp`` (alone with ``--only-mtp``, left out with ``--skip-mtp``): the MTP-fitted checkpoint (``testing.mtp_fit.make_glm_dsa_mtp_fitted``) served
    compiled with 3 MTP drafts and without, decode tokens/s at batch 1 and 8 timed by difference, and the
    acceptance rate per draft position from vLLM's counters (``test_glm_dsa_mtp`` holds served acceptance
    to this record); targets in ``MTP_TARGETS``.
