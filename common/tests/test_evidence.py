@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -263,17 +264,21 @@ def _git(cwd, *args):
     return out.stdout.strip()
 
 
-def test_index_names_the_commit_that_changed_a_records_sources(tmp_path, monkeypatch):
+def _checkout(tmp_path, monkeypatch, files: dict[str, str]) -> tuple[Path, str]:
+    """A git checkout with ``files`` in one commit, taken as the repository root: (its path, the commit)."""
     checkout = tmp_path / "checkout"
-    (checkout / "pkg").mkdir(parents=True)
-    (checkout / "other").mkdir()
-    (checkout / "pkg" / "a.py").write_text("A = 1\n")
-    (checkout / "other" / "b.py").write_text("B = 1\n")
+    for name, text in files.items():
+        (checkout / name).parent.mkdir(parents=True, exist_ok=True)
+        (checkout / name).write_text(text)
     _git(checkout, "init", "-q")
     _git(checkout, "add", ".")
     _git(checkout, "commit", "-qm", "first")
-    written_at = _git(checkout, "rev-parse", "HEAD")
     monkeypatch.setattr(ev, "repo_root", lambda: checkout)
+    return checkout, _git(checkout, "rev-parse", "HEAD")
+
+
+def test_index_names_the_commit_that_changed_a_records_sources(tmp_path, monkeypatch):
+    checkout, written_at = _checkout(tmp_path, monkeypatch, {"pkg/a.py": "A = 1\n", "other/b.py": "B = 1\n"})
     root = tmp_path / "evidence"
     path = _record("tree-model", root, sources=("tree:pkg",))
     rec = json.loads(path.read_text())
@@ -303,14 +308,7 @@ def test_index_names_the_commit_that_changed_a_records_sources(tmp_path, monkeyp
 
 
 def test_changed_by_asks_git_once_per_revision_and_paths(tmp_path, monkeypatch):
-    checkout = tmp_path / "checkout"
-    (checkout / "pkg").mkdir(parents=True)
-    (checkout / "pkg" / "a.py").write_text("A = 1\n")
-    _git(checkout, "init", "-q")
-    _git(checkout, "add", ".")
-    _git(checkout, "commit", "-qm", "first")
-    rev = _git(checkout, "rev-parse", "HEAD")
-    monkeypatch.setattr(ev, "repo_root", lambda: checkout)
+    checkout, rev = _checkout(tmp_path, monkeypatch, {"pkg/a.py": "A = 1\n"})
     changed_by = ev.ChangedBy()
     calls = []
     real = changed_by._git

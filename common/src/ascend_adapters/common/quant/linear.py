@@ -314,14 +314,7 @@ def _w8a8_static_linear_op(
     return dispatch.op("modelslim.w8a8_static_linear")(x, weight, input_scale, input_offset, deq_scale, quant_bias)
 
 
-def _w8a8_static_linear_shape(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    input_scale: torch.Tensor,
-    input_offset: torch.Tensor,
-    deq_scale: torch.Tensor,
-    quant_bias: torch.Tensor | None,
-) -> torch.Tensor:
+def _w8a8_static_linear_shape(x, weight, input_scale, input_offset, deq_scale, quant_bias) -> torch.Tensor:
     # the output width from deq_scale [N]: the weight is [N, K] on the portable path and packed [K, N] on the NPU's
     return x.new_empty(*x.shape[:-1], deq_scale.shape[0])
 
