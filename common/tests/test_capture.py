@@ -59,3 +59,50 @@ def test_emulated_npu_call_is_one_device_kernel():
     assert mode.seen == ["aten._local_scalar_dense.default"], mode.seen
     assert (sys.modules.get("torch_npu"), os.environ.get(EMULATOR_ENV)) == before
     assert path_for_device("cpu") is KernelPath.PORTABLE
+
+
+def test_capture_freezes_what_a_step_decides_on_the_host():
+    """``capture_step`` replays the recorded ops: a step that takes a host value from outside its
+    inputs (here the rows to keep, as metadata handed over as Python values would) replays the value
+    it had while captured, so on another step it differs from eager; a step that reads a device value
+    on the host cannot be captured at all; the same step on the device replays equal to eager."""
+    import pytest
+
+    from ascend_adapters.testing.capture import capture_step
+
+    host = {"rows": 2}
+
+    def host_metadata(x, n):
+        return x[: host["rows"]].sum() * torch.ones(1)
+
+    def host_read(x, n):
+        return x[: int(n)].sum() * torch.ones(1)
+
+    def on_device(x, n):
+        return torch.where(torch.arange(x.shape[0]) < n, x, torch.zeros_like(x)).sum() * torch.ones(1)
+
+    x, other = torch.arange(1.0, 6.0), torch.arange(10.0, 15.0)
+    for step, replays_equal in ((host_metadata, False), (on_device, True)):
+        host["rows"] = 2
+        graph = capture_step(step, x, torch.tensor(2))
+        assert torch.equal(graph(x, torch.tensor(2)), step(x, torch.tensor(2)))
+        host["rows"] = 4
+        assert torch.equal(graph(other, torch.tensor(4)), step(other, torch.tensor(4))) is replays_equal, step
+    with pytest.raises(RuntimeError, match="data-dependent"):
+        capture_step(host_read, x, torch.tensor(2))
+
+
+def test_launches_count_every_op_of_a_registered_op_body():
+    """``HostReads.launches``: the ops dispatched outside and inside a Python-registered op, not the op's own call."""
+    from vllm.utils.torch_utils import direct_register_custom_op
+
+    def three_ops(x: torch.Tensor, y: torch.Tensor) -> None:
+        y.copy_((x + 1) * 2)
+
+    direct_register_custom_op(op_name="ascend_adapters_test_three_ops", op_func=three_ops, mutates_args=["y"])
+    mode = HostReads()
+    x, y = torch.ones(2), torch.empty(2)
+    with mode:
+        torch.ops.vllm.ascend_adapters_test_three_ops(x, y)
+    assert dict(mode.ops) == {"aten.add.Tensor": 1, "aten.mul.Tensor": 1, "aten.copy_.default": 1}, mode.ops
+    assert mode.launches == 3

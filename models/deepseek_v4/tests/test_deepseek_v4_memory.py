@@ -14,7 +14,8 @@ def test_flash_parameter_count_matches_the_published_284b():
 
 def test_request_caches_follow_the_published_shape():
     """Flash: 2 sliding, 21 CSA (rate 4), 20 HCA (rate 128) layers; head_dim 512, hidden 4096, indexer keys
-    128, window 128; bf16 pages of 16 x 4096 values (a token's layer input per row of the pending cache)."""
+    128, window 128; bf16 pages of 16 x 4096 values. A CSA compressor's state row is its KV projection and
+    gate, 2 x 512 each for the two windows a position feeds (2048); an HCA one's 2 x 512; the indexer's 4 x 128."""
     cfg = M.flash_config()
     page = 16 * 4096 * 2
 
@@ -24,8 +25,10 @@ def test_request_caches_follow_the_published_shape():
 
     for n in (100, 4096, 1048576):
         window = blocks(n, 128, 128)  # 128 positions of 512 per page
-        csa = window + blocks(n, 16, 8) + blocks(n, 4 * 128) + blocks(n, 4 * 512)  # pending, entries, keys
-        hca = window + blocks(n, 16, 128) + blocks(n, 128 * 128)
+        # compressor states (32 of 2048 per page) and indexer states (128 of 512) of the last 8 positions,
+        # entries (128 of 512 per page, 4 positions each), indexer keys (512 of 128)
+        csa = window + blocks(n, 32, 8) + blocks(n, 128, 8) + blocks(n, 4 * 128) + blocks(n, 4 * 512)
+        hca = window + blocks(n, 64, 128) + blocks(n, 128 * 128)  # states (64 of 1024) of the last 128; entries
         assert M.request_cache_bytes(cfg, n) == (2 * window + 21 * csa + 20 * hca) * page, n
 
 

@@ -201,12 +201,11 @@ def inprocess_drafter(tmp_path_factory):
 
 
 def _metadata(cache, query_len: int, first_position: int):
-    from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheMetadata
+    from ascend_adapters.deepseek_v4.backend import step_metadata, step_segments
 
-    blocks = cache.kv_cache.shape[0]
-    return DeepseekV4CacheMetadata(
-        query_start_loc=[0, query_len], first_positions=[first_position], block_table=torch.arange(1, blocks)[None]
-    )
+    qsl = torch.tensor([0, query_len])
+    table = torch.arange(1, cache.kv_cache.shape[0])[None]
+    return step_metadata(qsl, table, first_position + query_len, step_segments(qsl, decode_threshold=1))
 
 
 @pytest.mark.vllm

@@ -11,9 +11,9 @@ Batches, in order:
 3. another long prompt batched with three short ones;
 4. four prompts of max_model_len - 8 tokens at once, in a cache that holds about one: they wait for
    each other's blocks;
-5. eight 16-token prompts generating 300 tokens each: all are admitted in the first step (8 x 16 tokens
-   within the budget, 8 x 15 pages of the cache's 150 at 17 tokens) and decode together until their
-   caches outgrow it (8 x 19 pages at 316 tokens; ``memory.request_cache_bytes`` computes both, the
+5. twelve 16-token prompts generating 300 tokens each: all are admitted in the first step (12 x 16 tokens
+   within the budget, 12 x 19 pages of the cache's 235 at 17 tokens) and decode together until their
+   caches outgrow it (12 x 23 pages at 316 tokens; ``memory.request_cache_bytes`` computes both, the
    record's check names state them): vLLM preempts requests mid-generation and recomputes them
    (``vllm:num_preemptions``).
 
@@ -39,7 +39,7 @@ MAX_MODEL_LEN = 1024
 LONG, SHARED, SHORT = 640, 576, (5, 17, 33)
 BUDGET = 256
 FULL = MAX_MODEL_LEN - MAX_TOKENS  # batch 4: prompts that fill max_model_len
-PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 8, 16, 300  # batch 5
+PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 12, 16, 300  # batch 5
 
 
 def _hit_unit(config) -> int:

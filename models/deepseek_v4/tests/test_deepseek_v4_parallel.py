@@ -142,8 +142,8 @@ def test_pipeline_parallel_2_matches_transformers(tiny, evidence_root):
     hash_layers = [i for i, t in enumerate(TINY_CONFIG["mlp_layer_types"]) if t == "hash_moe"]
     kinds = {  # the caches each layer type declares (docs/models/deepseek_v4.md#how-the-attention-state-is-kept)
         "sliding_attention": ["window"],
-        "compressed_sparse_attention": ["entries", "index", "pending", "window"],
-        "heavily_compressed_attention": ["entries", "pending", "window"],
+        "compressed_sparse_attention": ["entries", "index", "index_state", "state", "window"],
+        "heavily_compressed_attention": ["entries", "state", "window"],
     }
     expected = []
     for first, (a, b) in zip((True, False), ((0, n_layers // 2), (n_layers // 2, n_layers)), strict=True):

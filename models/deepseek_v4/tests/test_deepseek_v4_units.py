@@ -177,8 +177,8 @@ def vllm_model(dirs):
 
 def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
     """Each attention layer declares only the caches its type needs, each a vLLM KV-cache spec with the
-    same page size (vLLM groups them without resizing a block); the backend lets vLLM capture no graph
-    (the attention walks the requests on the host)."""
+    same page size (vLLM groups them without resizing a block); the backend declares graphs of uniform
+    batches (decodes, MTP verifications: test_deepseek_v4_graph.py replays them)."""
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -191,11 +191,12 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
         LAYER_SLIDING: {"window": (w, 1)},
         LAYER_CSA: {
             "window": (w, 1),
-            "pending": (2 * rates[LAYER_CSA], 1),
+            "state": (2 * rates[LAYER_CSA], 1),
+            "index_state": (2 * rates[LAYER_CSA], 1),
             "entries": (None, rates[LAYER_CSA]),
             "index": (None, rates[LAYER_CSA]),
         },
-        LAYER_HCA: {"window": (w, 1), "pending": (rates[LAYER_HCA], 1), "entries": (None, rates[LAYER_HCA])},
+        LAYER_HCA: {"window": (w, 1), "state": (rates[LAYER_HCA], 1), "entries": (None, rates[LAYER_HCA])},
     }
     model = vllm_model(dirs["tiny"])
     pages = set()
@@ -214,7 +215,7 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
                 assert type(spec) is SlidingWindowMLASpec and spec.sliding_window == window, (i, kind)
             pages.add(spec.page_size_bytes)
             builder = cache.get_attn_backend().get_builder_cls()
-            assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.NEVER, cache.layer_name
+            assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH, cache.layer_name
     assert len(pages) == 1, pages
 
 

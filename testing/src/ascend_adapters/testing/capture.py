@@ -1,8 +1,13 @@
-"""What the graph-mode tests share: a detector of host reads, and vLLM's compilation counter.
+"""What the graph-mode tests share: a detector of host reads that also counts a step's ops, the capture
+harness, and vLLM's compilation counter.
 
 ``HostReads`` is the capture-safety check: a forward run under it records every op whose result a
 captured graph would freeze or whose output shape depends on data, inside the model's registered
-ops too. ``emulated_npu_kernels`` sends the same forward down the NPU implementations through the
+ops too, and counts the ops the run dispatches (``launches``: on an NPU each is a kernel launch).
+``capture_step`` is the CPU stand-in for a device graph: it records one step's op sequence once
+(the model's registered ops through their bodies) and replays it on new inputs of the same shapes,
+so whatever the step decided on the host from data is frozen as a graph would freeze it.
+``emulated_npu_kernels`` sends the same forward down the NPU implementations through the
 torch_npu contract emulator, each torch_npu call seen by the detector as one device kernel.
 ``compilation_counters`` runs in vLLM's worker (``parity.vllm_logits(probe=...)``) and returns vLLM's
 compilation counter there.
@@ -10,10 +15,12 @@ compilation counter there.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import functools
 import os
 import sys
+from collections.abc import Callable
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -67,6 +74,7 @@ class HostReads(TorchDispatchMode):
         self.seen: list[str] = []
         self.custom_ops: list[str] = []
         self.kernels: list[str] = []  # torch_npu calls (emulated NPU kernels)
+        self.ops: collections.Counter[str] = collections.Counter()  # ops dispatched, registered ops' bodies entered
         self.outside: list[str] = []  # the reads of ``seen`` made outside every Python-registered op
         self.inside: dict[str, list[str]] = {}  # the others, by the innermost registered op they were made in
         self._inside: list[str] = []
@@ -108,7 +116,9 @@ class HostReads(TorchDispatchMode):
             return func(*args, **kwargs)
         if breaks_capture(func, args):
             self._record(str(func))
-        if func.namespace == "vllm":  # an op registered in Python (the model's, vLLM's own layers')
+        if func.namespace != "vllm":
+            self.ops[str(func)] += 1
+        else:  # an op registered in Python (the model's, vLLM's own layers')
             self.custom_ops.append(str(func))
             self._inside.append(str(func))
             try:
@@ -117,6 +127,12 @@ class HostReads(TorchDispatchMode):
             finally:
                 self._inside.pop()
         return func(*args, **kwargs)
+
+    @property
+    def launches(self) -> int:
+        """Kernels the run would launch on a device: every op dispatched outside the registered ops'
+        bodies and inside them (their own call is not one), each torch_npu kernel once."""
+        return sum(self.ops.values()) + len(self.kernels)
 
     def _record(self, what: str) -> None:
         if self._in_kernel:
@@ -167,3 +183,31 @@ def emulated_npu_kernels():
         else:
             os.environ[platform.EMULATOR_ENV] = saved_env
         platform.reset()
+
+
+def _registered_op_bodies() -> dict:
+    """Each op registered in Python under ``vllm::`` (the model's, vLLM's own layers') mapped to its
+    CPU kernel, the op's body: traced through, a captured step holds the body's ops, not one call."""
+    table = {}
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("vllm::") or not torch._C._dispatch_has_kernel_for_dispatch_key(name, "CPU"):
+            continue
+        packet = getattr(torch.ops.vllm, name.split("::", 1)[1])
+        for overload in packet.overloads():
+            op = getattr(packet, overload)
+            table[op] = functools.partial(op._op_dk, torch._C.DispatchKey.CPU)
+    return table
+
+
+def capture_step(step: Callable, *inputs: torch.Tensor) -> Callable:
+    """``step(*inputs)`` recorded once as the sequence of ops it dispatches (``make_fx`` on real
+    tensors, the registered ops traced through their bodies): the returned graph replays that
+    sequence on new tensors of the same shapes, as a device graph replays its kernels. Every tensor
+    that changes between steps (tokens, positions, metadata, caches) must be one of ``inputs``;
+    a Python value the step took from outside its inputs (metadata handed over as host lists, a loop
+    over them) is frozen in the graph, so a replay on other data then differs from the eager step,
+    which is what the capture tests compare; a device value read on the host (``.item()``,
+    ``.tolist()``) fails the capture, as it fails a device graph's."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    return make_fx(step, decomposition_table=_registered_op_bodies(), tracing_mode="real")(*inputs)

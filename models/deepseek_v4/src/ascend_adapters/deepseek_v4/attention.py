@@ -3,20 +3,25 @@ a grouped output projection.
 
 vLLM's paged attention cannot express it (one shared K=V head, per-head sinks, a sliding window *plus*
 compressed entries selected per query by the lightning indexer, all in one softmax), so the layer
-attends itself (``vllm::dsv4_attention``, a splitting op run eagerly between compiled pieces) over
-caches that vLLM pages: each attention layer owns up to four ``DeepseekV4Cache`` layers
-(``memory.layer_caches``), each with a KV-cache spec of its own, so a request holds only what its
-layer type needs for its own length:
+attends itself (``vllm::dsv4_attention``) over caches that vLLM pages: each attention layer owns up
+to five ``DeepseekV4Cache`` layers (``memory.layer_caches``), each with a KV-cache spec of its own, so
+a request holds only what its layer type needs for its own length:
 
-* ``window``  one row of ``head_dim`` per position (the shared K=V), sliding window W;
-* ``pending`` one row of ``hidden`` per position (the layer input) for the compressor, sliding window
-  2*rate (CSA: an entry pools two windows) or rate (HCA);
-* ``entries`` one compressed KV entry per ``rate`` positions, entry w at row w;
-* ``index``   the indexer's compressed key per ``rate`` positions (CSA).
+* ``window``      one row of ``head_dim`` per position (the shared K=V), sliding window W;
+* ``state``       the compressor's KV projection and gate of each position, sliding window 2*rate
+  (CSA: an entry pools two windows) or rate (HCA); ``index_state`` the indexer's (CSA);
+* ``entries``     one compressed KV entry per ``rate`` positions, entry w at row w;
+* ``index``       the indexer's compressed key per ``rate`` positions (CSA).
 
 Rows are addressed by position (entry number), not modulo a ring: a rejected draft token's rows are
 rewritten when its position is computed again, and exactness does not depend on how a prompt is split
 into chunks: each token reads only positions of its own request written before.
+
+A step is one pass over all its tokens: every row the step brings is written first (one scatter per
+cache, slots from the block tables), then each grid of queries (``backend.Segment``: all the step's
+decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows and
+attends, reading its requests' rows through their block tables. Positions, sequence starts and masks
+are device tensors; the host holds only shapes, so a uniform decode step replays from a graph.
 """
 
 from __future__ import annotations
@@ -35,12 +40,18 @@ from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
 from ascend_adapters.deepseek_v4.compressor import DeepseekV4Compressor
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
 from ascend_adapters.deepseek_v4.indexer import DeepseekV4Indexer
-from ascend_adapters.deepseek_v4.memory import ENTRIES, INDEX, PENDING, WINDOW, CacheGeometry, layer_caches
+from ascend_adapters.deepseek_v4.memory import (
+    ENTRIES,
+    INDEX,
+    INDEX_STATE,
+    STATE,
+    WINDOW,
+    CacheGeometry,
+    layer_caches,
+)
 from ascend_adapters.deepseek_v4.rope import apply_rope, deepseek_v4_rope
 
 op = dispatch.op
-# queries per attention call of one request (see DeepseekV4Attention._seq)
-QUERY_TILE = 256
 
 
 def _sharded_loader(dim: int):
@@ -67,8 +78,8 @@ def dsv4_attention(
 ) -> None:
     """``out`` ([T, heads, head_dim]): the attention of every token of the step over its request's
     window and compressed entries (``DeepseekV4Attention.attend``), writing the step's rows into the
-    layer's caches. It walks the requests on the host, so it is a splitting op (the hook module's
-    ``SPLITTING_OPS``): vLLM runs it eagerly between compiled graph pieces."""
+    layer's caches. A splitting op (the hook module's ``SPLITTING_OPS``): vLLM compiles the pieces
+    between these calls, as it does around its own attention ops."""
     get_forward_context().no_compile_layers[layer_name].attend(x, q, kv, qr, positions, out)
 
 
@@ -107,24 +118,17 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         self.kv_cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
 
 
-class RequestCaches:
-    """One request's view of a layer's caches: rows by position (or entry number) through its block tables."""
+def _slots(cache: DeepseekV4Cache, table: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of cache rows ``rows`` (position or entry numbers) of the requests whose block
+    table rows are ``table`` (``[..., max_blocks]``, one per leading index of ``rows``); rows outside the
+    table read its first or last block (the caller masks what they hold)."""
+    per = cache.rows_per_block
+    col = (rows // per).clamp_(0, table.shape[-1] - 1)
+    return table.gather(-1, col.reshape(*table.shape[:-1], -1)).view_as(rows), rows % per
 
-    def __init__(self, caches: dict[str, DeepseekV4Cache], block_tables: dict[str, torch.Tensor]):
-        self.caches, self.block_tables = caches, block_tables
 
-    def _where(self, kind: str, rows: torch.Tensor):
-        cache = self.caches[kind]
-        per_block = cache.rows_per_block
-        return cache.kv_cache, self.block_tables[kind][rows // per_block], rows % per_block
-
-    def read(self, kind: str, rows: torch.Tensor) -> torch.Tensor:
-        t, block, offset = self._where(kind, rows)
-        return t[block, offset]
-
-    def write(self, kind: str, rows: torch.Tensor, values: torch.Tensor) -> None:
-        t, block, offset = self._where(kind, rows)
-        t[block, offset] = values.to(t.dtype)
+def _write(cache: DeepseekV4Cache, block: torch.Tensor, offset: torch.Tensor, values: torch.Tensor) -> None:
+    cache.kv_cache[block, offset] = values.to(cache.kv_cache.dtype)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -223,114 +227,110 @@ class DeepseekV4Attention(nn.Module):
             raise ValueError(f"Duplicate layer name: {prefix}")
         cc.static_forward_context[prefix] = self
 
-    # -- one request -------------------------------------------------------------------------
-    def _seq(self, x, q, kv, qr, pos0: int, caches: RequestCaches | None):
-        """Attention for one request's ``n`` new tokens at positions pos0..pos0+n-1 (``caches`` None:
-        a stateless profile run of this chunk alone). Queries go ``QUERY_TILE`` at a time, each tile
-        over its own window keys and the entries, so a long chunk's score matrix stays
-        ``QUERY_TILE x (W - 1 + QUERY_TILE + entries)``."""
-        n = x.shape[0]
-        dev = x.device
-        qpos = torch.arange(pos0, pos0 + n, device=dev)
-        W = self.window
-        # sliding-window keys: the W-1 positions before pos0 (from the window cache) + the new ones
-        prev_pos = torch.arange(max(0, pos0 - W + 1), pos0, device=dev)
-        if caches is not None and prev_pos.numel():
-            prev_kv = caches.read(WINDOW, prev_pos).to(kv.dtype)
-        else:
-            prev_pos = prev_pos[:0]
-            prev_kv = kv.new_zeros((0, kv.shape[1]))
-        window_keys = torch.cat([prev_kv, kv], 0)
-        window_pos = torch.cat([prev_pos, qpos])
-        first = pos0 - prev_kv.shape[0]  # position of window_keys[0]
-        if self.compressor is not None:
-            entries, idx_entries, n_entries = self._compress(x, pos0, caches)
-        out = []
-        for a in range(0, n, QUERY_TILE):
-            b = min(n, a + QUERY_TILE)
-            tpos = qpos[a:b]
-            lo, hi = max(0, pos0 + a - W + 1 - first), pos0 + b - first
-            keys, kpos = window_keys[lo:hi], window_pos[lo:hi]
-            allowed = (kpos[None, :] <= tpos[:, None]) & (tpos[:, None] - kpos[None, :] < W)
-            if self.compressor is not None:
-                visible = torch.arange(n_entries, device=dev)[None, :] < ((tpos + 1) // self.rate)[:, None]
-                if self.layer_type == LAYER_CSA and n_entries:
-                    visible = self._index(x[a:b], qr[a:b], tpos, idx_entries, visible)
-                keys = torch.cat([keys, entries], 0)
-                allowed = torch.cat([allowed, visible], 1)
-            out.append(op("dsv4.sink_attention")(q[a:b], keys, allowed, self.sinks, self.scale))
-        if caches is not None:
-            caches.write(WINDOW, qpos, kv)
-        return torch.cat(out, 0)
-
-    def _compress(self, x, pos0: int, caches: RequestCaches | None):
-        """Emit the entries of windows that close in this chunk; return all entries so far."""
-        comp, m = self.compressor, self.rate
-        n = x.shape[0]
-        dev = x.device
-        overlap = self.layer_type == LAYER_CSA
-        w_first, w_end = pos0 // m, (pos0 + n) // m  # windows closing here: w_first..w_end-1
-        new_c = new_i = None
-        if w_end > w_first:
-            start_w = max(0, w_first - 1) if overlap else w_first
-            has_prev = overlap and w_first > 0
-            start = start_w * m
-            stop = w_end * m
-            if start < pos0:
-                if caches is None:
-                    raise RuntimeError("DeepSeek-V4 compressor needs earlier positions but no cache is bound")
-                old = caches.read(PENDING, torch.arange(start, pos0, device=dev)).to(x.dtype)
-                rows = torch.cat([old, x[: stop - pos0]], 0)
-            else:
-                rows = x[start - pos0 : stop - pos0]
-            new_c = comp.pool(rows, start, self.compress_rotary_emb, has_prev)
-            if overlap:
-                new_i = comp.indexer.pool(rows, start, self.compress_rotary_emb, has_prev)
-        if caches is None:  # stateless (profile) run: this chunk alone, from position pos0
-            ent = new_c if new_c is not None else x.new_zeros((0, self.head_dim))
-            return ent, new_i, ent.shape[0]
-        if new_c is not None:
-            closing = torch.arange(w_first, w_end, device=dev)
-            caches.write(ENTRIES, closing, new_c)
-            if new_i is not None:
-                caches.write(INDEX, closing, new_i)
-        caches.write(PENDING, torch.arange(pos0, pos0 + n, device=dev), x)
-        every = torch.arange(w_end, device=dev)
-        ent = caches.read(ENTRIES, every).to(x.dtype)
-        return ent, (caches.read(INDEX, every).to(x.dtype) if overlap else None), w_end
-
-    def _index(self, x, qr, qpos, idx_entries, visible):
-        """Lightning indexer: keep the top-k visible compressed entries per query."""
-        ind = self.compressor.indexer
-        n = x.shape[0]
-        qi = apply_rope(self.compress_rotary_emb, qpos, ind.q_b_proj(qr).view(n, ind.n_heads, ind.head_dim))
-        w = ind.weights_proj(x)
-        scores = op("dsv4.indexer_scores")(qi, idx_entries, w, ind.softmax_scale, ind.weights_scale)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        k = min(ind.topk, scores.shape[1])
-        top = scores.topk(k, dim=-1).indices
-        chosen = torch.zeros_like(visible)
-        chosen.scatter_(1, top, True)
-        return chosen & visible
-
-    # -- batch -------------------------------------------------------------------------------
+    # -- a step ------------------------------------------------------------------------------
     def attend(self, x, q, kv, qr, positions, out) -> None:
-        """The body of ``vllm::dsv4_attention``: each request of the step over its own caches (its
-        boundaries and first position from the metadata builder, on the host), written into ``out``."""
+        """The body of ``vllm::dsv4_attention``: every token of the step over its request's caches,
+        written into ``out``. Every row the step brings is written first; then each grid of queries
+        (``backend.Segment``) closes its windows and attends."""
         md = get_forward_context().attn_metadata
         window = self.caches[WINDOW]
-        md = md if isinstance(md, dict) and window.layer_name in md else None
-        if md is None or window.kv_cache.numel() == 0:  # profile / dummy run: one stateless sequence
-            out.copy_(self._seq(x, q, kv, qr, int(positions[0]), None))
+        if not isinstance(md, dict) or window.layer_name not in md or window.kv_cache.numel() == 0:
+            out.zero_()  # profile / dummy run: no caches to attend over
             return
-        qsl, first = md[window.layer_name].query_start_loc, md[window.layer_name].first_positions
+        step = md[window.layer_name]
         tables = {kind: md[cache.layer_name].block_table for kind, cache in self.caches.items()}
-        for i in range(len(qsl) - 1):
-            a, b = qsl[i], qsl[i + 1]
-            if b <= a:
-                continue
-            caches = RequestCaches(self.caches, {kind: t[i] for kind, t in tables.items()})
-            out[a:b] = self._seq(x[a:b], q[a:b], kv[a:b], qr[a:b], first[i], caches)
+        n = step.num_tokens
+        if n == 0:
+            return
+        x, q, kv, qr, positions = x[:n], q[:n], kv[:n], qr[:n], positions[:n]
+        req = step.token_request
+        _write(window, *_slots(window, tables[WINDOW][req], positions), kv)
+        if self.compressor is not None:
+            for kind, comp in self._compressors():
+                cache = self.caches[kind]
+                _write(cache, *_slots(cache, tables[kind][req], positions), comp.states(x, positions))
+        # each request's first position this step (its padding requests: the step's last token's)
+        starts = positions[step.query_start_loc.clamp(max=n - 1)]
+        for seg in step.segments:
+            a, b = seg.token_rows
+            reqs = slice(seg.first_request, seg.first_request + seg.requests)
+            seg_tables = {kind: t[reqs] for kind, t in tables.items()}
+            # the grid's token rows and positions; cells past a request's last query are padding
+            rows = step.query_start_loc[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
+            valid = rows < step.query_start_loc[seg.first_request + 1 : seg.first_request + seg.requests + 1, None]
+            rows = rows.clamp(max=n - 1)
+            qpos = starts[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
+            if self.compressor is not None:
+                self._close_windows(seg_tables, qpos, valid)
+            grid = self._attend_grid(x[rows], q[rows], qr[rows], qpos, starts[reqs] + seg.offset, seg_tables, step)
+            # each token of the segment from its cell of the grid
+            tok = torch.arange(a, b, device=x.device)
+            r = req[a:b] - seg.first_request
+            cell = r * seg.queries + (tok - step.query_start_loc[req[a:b]] - seg.offset)
+            out[a:b] = grid.flatten(0, 1)[cell]
+
+    def _compressors(self):
+        yield STATE, self.compressor
+        if self.layer_type == LAYER_CSA:
+            yield INDEX_STATE, self.compressor.indexer
+
+    def _close_windows(self, tables, qpos, valid) -> None:
+        """The grid's tokens that close a window (position ``rate * (w + 1) - 1``) pool window ``w``'s
+        states into entry ``w`` (and the indexer's key ``w``); the others write into vLLM's null block."""
+        m = self.rate
+        w = (qpos + 1) // m - 1
+        closing = valid & ((qpos + 1) % m == 0)
+        w_row = w.clamp(min=0)
+        for (state_kind, comp), entry_kind in zip(self._compressors(), (ENTRIES, INDEX)):
+            state = self.caches[state_kind]
+            span = state.geometry.sliding_window  # the rows an entry pools: 2 * rate (overlap) or rate
+            srows = (w_row + 1)[..., None] * m - span + torch.arange(span, device=qpos.device)
+            states = state.kv_cache[_slots(state, tables[state_kind], srows.clamp(min=0))]
+            has_prev = (w >= 1).flatten() if comp.overlap else None
+            entries = comp.pool(states.flatten(0, 1), has_prev, w_row.flatten(), self.compress_rotary_emb)
+            cache = self.caches[entry_kind]
+            block, offset = _slots(cache, tables[entry_kind], w_row)
+            block = torch.where(closing, block, torch.zeros_like(block))
+            offset = torch.where(closing, offset, torch.zeros_like(offset))
+            _write(cache, block.flatten(), offset.flatten(), entries)
+
+    def _rows_of(self, kind: str, tables, rows: torch.Tensor) -> torch.Tensor:
+        cache = self.caches[kind]
+        return cache.kv_cache[_slots(cache, tables[kind], rows)]
+
+    def _attend_grid(self, x, q, qr, qpos, first, tables, step) -> torch.Tensor:
+        """Attention of a grid of queries ``[R, L]`` (positions ``qpos``; ``first [R]``: each row's
+        first query position) over its requests' windows and compressed entries -> ``[R, L, H, D]``."""
+        dev = q.device
+        W, L = self.window, qpos.shape[1]
+        # the window keys of a row: positions first - W + 1 .. first + L - 1
+        kpos = (first - W + 1)[:, None] + torch.arange(W - 1 + L, device=dev)
+        keys = self._rows_of(WINDOW, tables, kpos.clamp(min=0)).to(q.dtype)
+        gap = qpos[:, :, None] - kpos[:, None, :]
+        allowed = (kpos[:, None, :] >= 0) & (gap >= 0) & (gap < W)
+        if self.compressor is None:
+            return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
+        # every entry a row's requests may hold: as many as the step's longest sequence has
+        entries = self.caches[ENTRIES]
+        per = entries.rows_per_block
+        capacity = max(1, -(-(step.max_seq_len // self.rate) // per)) * per  # whole blocks of the table
+        e = torch.arange(capacity, device=dev)
+        visible = e < ((qpos + 1) // self.rate)[..., None]  # [R, L, E]
+        if self.layer_type == LAYER_HCA:
+            ent = self._rows_of(ENTRIES, tables, e.expand(q.shape[0], -1)).to(q.dtype)
+            keys = torch.cat([keys, ent], dim=1)
+            return op("dsv4.sink_attention")(q, keys, torch.cat([allowed, visible], -1), self.sinks, self.scale)
+        # CSA: the indexer scores every entry; each query attends over the top-k it selects
+        ind = self.compressor.indexer
+        r = q.shape[0]
+        qi = ind.q_b_proj(qr.flatten(0, 1)).view(r * L, ind.n_heads, ind.head_dim)
+        qi = apply_rope(self.compress_rotary_emb, qpos.flatten(), qi).view(r, L, ind.n_heads, ind.head_dim)
+        w = ind.weights_proj(x.flatten(0, 1)).view(r, L, ind.n_heads)
+        index_keys = self._rows_of(INDEX, tables, e.expand(r, -1)).to(q.dtype)
+        scores = op("dsv4.indexer_scores")(qi, index_keys, w, ind.softmax_scale, ind.weights_scale)
+        top = scores.masked_fill(~visible, float("-inf")).topk(min(ind.topk, capacity), dim=-1).indices
+        chosen = self._rows_of(ENTRIES, tables, top).to(q.dtype)  # [R, L, k, D]
+        return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale, chosen, visible.gather(-1, top))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]

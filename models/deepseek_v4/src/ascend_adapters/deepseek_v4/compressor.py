@@ -1,5 +1,8 @@
 """DeepSeek-V4's compressor: gated pooling of ``rate`` consecutive layer inputs into one KV entry
-(CSA: overlapping pairs of windows; HCA: one window), normalised and rotated at the window start."""
+(CSA: overlapping pairs of windows; HCA: one window), normalised and rotated at the window start.
+
+Each token's KV projection and gate (its state) are computed once, in the step that brings the token,
+and cached (``memory.STATE``); the token that closes a window pools the window's cached states."""
 
 from __future__ import annotations
 
@@ -40,15 +43,16 @@ class DeepseekV4Compressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(rate, width))
         self.kv_norm = RMSNorm(head_dim, config.rms_norm_eps)
 
-    def pool(self, x: torch.Tensor, first_pos: int, rope: nn.Module, has_prev: bool) -> torch.Tensor:
-        """Entries for the whole windows in ``x`` (rows from ``first_pos``, a window start).
+    def states(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Each token's state ``[T, 2 * width]``: its KV projection, then its gate with the position
+        bias of its place in its window."""
+        gate = self.gate_proj(x) + self.position_bias[positions % self.rate]
+        return torch.cat([self.kv_proj(x), gate], dim=-1)
 
-        With overlap and ``has_prev`` the first window of ``x`` only feeds the next entry.
-        """
-        kv = self.kv_proj(x)
-        gate = self.gate_proj(x) + self.position_bias.repeat(x.shape[0] // self.rate, 1)
-        pooled, _ = op("dsv4.compress_windows")(kv, gate, self.rate, self.overlap, self.head_dim, has_prev)
-        out = self.kv_norm(pooled)
-        first_w = first_pos // self.rate + (1 if (self.overlap and has_prev) else 0)
-        pos = torch.arange(out.shape[0], device=x.device) * self.rate + first_w * self.rate
-        return apply_rope(rope, pos, out)
+    def pool(self, states: torch.Tensor, has_prev: torch.Tensor | None, window: torch.Tensor, rope) -> torch.Tensor:
+        """The entries of ``N`` windows from their states ``[N, S, 2 * width]`` (S: the rows an entry
+        pools, ``kernels.compress_windows``), each rotated at its window's first position
+        (``window [N]``: window numbers)."""
+        kv, gate = states.chunk(2, dim=-1)
+        pooled = op("dsv4.compress_windows")(kv, gate, self.overlap, self.head_dim, has_prev)
+        return apply_rope(rope, window * self.rate, self.kv_norm(pooled))

@@ -174,68 +174,75 @@ def route(
 # ---------------------------------------------------------------- attention
 @dispatch.portable("dsv4.sink_attention")
 def sink_attention(
-    q: torch.Tensor, kv: torch.Tensor, allowed: torch.Tensor, sinks: torch.Tensor, scale: float
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    allowed: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    own_kv: torch.Tensor | None = None,
+    own_allowed: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Shared-KV MQA with a per-head sink logit in the softmax denominator.
+    """Shared-KV MQA with a per-head sink logit in the softmax denominator, for ``B`` rows of ``L``
+    queries each (a row: one request's queries of the step).
 
-    q ``[n, H, D]``; kv ``[S, D]`` is both key and value; allowed ``[n, S]`` bool.
+    q ``[B, L, H, D]``; kv ``[B, S, D]`` is both key and value, shared by a row's queries;
+    allowed ``[B, L, S]`` bool. ``own_kv [B, L, K, D]`` / ``own_allowed [B, L, K]``: keys of each query
+    alone (the compressed entries its indexer selected), in the same softmax.
     """
-    logits = torch.einsum("nhd,sd->nhs", q.float(), kv.float()) * scale
-    logits = logits.masked_fill(~allowed[:, None, :], float("-inf"))
-    sink = sinks.float().view(1, -1, 1).expand(q.shape[0], -1, 1)
-    comb = torch.cat([logits, sink], dim=-1)
+    b, n = q.shape[:2]
+    qf = q.float()
+    logits = torch.einsum("blhd,bsd->blhs", qf, kv.float()) * scale
+    parts = [logits.masked_fill(~allowed[:, :, None, :], float("-inf"))]
+    if own_kv is not None:
+        own = torch.einsum("blhd,blkd->blhk", qf, own_kv.float()) * scale
+        parts.append(own.masked_fill(~own_allowed[:, :, None, :], float("-inf")))
+    parts.append(sinks.float().view(1, 1, -1, 1).expand(b, n, -1, 1))
+    comb = torch.cat(parts, dim=-1)
     comb = comb - comb.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(comb, dim=-1)[..., :-1]
-    return torch.einsum("nhs,sd->nhd", probs, kv.float()).to(q.dtype)
+    probs = torch.softmax(comb, dim=-1)
+    s = kv.shape[1]
+    out = torch.einsum("blhs,bsd->blhd", probs[..., :s], kv.float())
+    if own_kv is not None:
+        out = out + torch.einsum("blhk,blkd->blhd", probs[..., s:-1], own_kv.float())
+    return out.to(q.dtype)
 
 
 @dispatch.portable("dsv4.compress_windows")
 def compress_windows(
-    kv: torch.Tensor, gate: torch.Tensor, ratio: int, overlap: bool, head_dim: int, first_window_has_prev: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Softmax-gated pooling of whole windows of ``ratio`` tokens.
+    kv: torch.Tensor, gate: torch.Tensor, overlap: bool, head_dim: int, has_prev: torch.Tensor | None
+) -> torch.Tensor:
+    """Softmax-gated pooling of one window per entry: ``kv``/``gate`` ``[N, S, C]`` (the gate with
+    ``position_bias`` added) -> ``[N, head_dim]`` before the norm.
 
-    ``kv``/``gate`` ``[W*ratio, C]`` with ``position_bias`` already added to the gate.
-    Without overlap (HCA) C = head_dim and entry w pools window w. With overlap
-    (CSA) C = 2*head_dim: entry w pools the first half (Ca) of window w-1 and the
-    second half (Cb) of window w over 2*ratio slots; the rows passed in then start
-    one window early when ``first_window_has_prev`` (that leading window emits
-    nothing). Returns (pooled entries [W', head_dim] before the norm, None).
+    Without overlap (HCA) S = ratio and C = head_dim: an entry pools its window. With overlap (CSA)
+    S = 2*ratio and C = 2*head_dim: rows ``[0, ratio)`` are the previous window, of which the first half
+    of the channels (Ca) counts, rows ``[ratio, 2*ratio)`` the entry's own window, of which the second
+    half (Cb) counts; ``has_prev [N]`` bool is False for entry 0 (no previous window: its rows weigh
+    nothing and their values are not read).
     """
-    n_win = kv.shape[0] // ratio
-    kv = kv.view(n_win, ratio, -1)
-    gate = gate.view(n_win, ratio, -1)
     if not overlap:
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
-        return pooled, None
-    d = head_dim
-    if first_window_has_prev:
-        prev_kv, prev_gate = kv[:-1, :, :d], gate[:-1, :, :d]
-        cur_kv, cur_gate = kv[1:, :, d:], gate[1:, :, d:]
-    else:
-        cur_kv, cur_gate = kv[:, :, d:], gate[:, :, d:]
-        prev_kv = torch.zeros_like(cur_kv)
-        prev_gate = torch.full_like(cur_gate, float("-inf"))
-        if n_win > 1:
-            prev_kv[1:] = kv[:-1, :, :d]
-            prev_gate[1:] = gate[:-1, :, :d]
-    all_kv = torch.cat([prev_kv, cur_kv], dim=1)
-    all_gate = torch.cat([prev_gate, cur_gate], dim=1)
-    pooled = (all_kv * all_gate.softmax(dim=1, dtype=torch.float32).to(all_kv.dtype)).sum(dim=1)
-    return pooled, None
+        return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
+    r, d = kv.shape[1] // 2, head_dim
+    none = ~has_prev[:, None, None]
+    prev_kv = kv[:, :r, :d].masked_fill(none, 0)
+    prev_gate = gate[:, :r, :d].masked_fill(none, float("-inf"))
+    all_kv = torch.cat([prev_kv, kv[:, r:, d:]], dim=1)
+    all_gate = torch.cat([prev_gate, gate[:, r:, d:]], dim=1)
+    return (all_kv * all_gate.softmax(dim=1, dtype=torch.float32).to(all_kv.dtype)).sum(dim=1)
 
 
 @dispatch.portable("dsv4.indexer_scores")
 def indexer_scores(
     q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor, softmax_scale: float, weights_scale: float
 ) -> torch.Tensor:
-    """Lightning indexer: ``sum_h w[t,h] * relu(q[t,h] . k[s])`` -> ``[n, S]``.
+    """Lightning indexer: ``sum_h w[b,l,h] * relu(q[b,l,h] . k[b,s])`` -> ``[B, L, S]``.
 
-    q ``[n, Hi, Di]``, keys ``[S, Di]``, weights ``[n, Hi]`` (weights_proj output).
+    q ``[B, L, Hi, Di]``, keys ``[B, S, Di]`` (a row's compressed keys), weights ``[B, L, Hi]``
+    (weights_proj output).
     """
-    s = torch.einsum("nhd,sd->nhs", q.float(), keys.float())
+    s = torch.einsum("blhd,bsd->blhs", q.float(), keys.float())
     s = F.relu(s) * softmax_scale
-    return (s * (weights.float() * weights_scale).unsqueeze(-1)).sum(dim=1)
+    return (s * (weights.float() * weights_scale).unsqueeze(-1)).sum(dim=2)
 
 
 @dispatch.portable("dsv4.grouped_linear")

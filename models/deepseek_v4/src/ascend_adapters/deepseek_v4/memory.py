@@ -2,9 +2,9 @@
 
 * ``layer_caches``: the paged caches an attention layer of each type declares to vLLM (one KV-cache
   spec each, the same page size for all): sliding layers the window; CSA layers the window, the
-  compressor's pending inputs, one entry and one indexer key per ``rate`` tokens; HCA layers the
-  window, the pending inputs and one entry per ``rate`` tokens. ``attention.py`` builds its specs
-  from these.
+  compressor's and the indexer's states of their last two windows, one entry and one indexer key per
+  ``rate`` tokens; HCA layers the window, the compressor's states of its last window and one entry
+  per ``rate`` tokens. ``attention.py`` builds its specs from these.
 * ``request_cache_bytes``: the pages vLLM holds for one request of ``tokens`` tokens (a full cache's
   blocks up to its last token; a sliding cache's blocks of its last window), every layer; the memory
   bench compares it with the blocks vLLM's scheduler really holds.
@@ -31,11 +31,14 @@ from ascend_adapters.deepseek_v4.config import (
 
 # The paged caches of one attention layer (attention.py declares one vLLM KV-cache spec for each):
 WINDOW = "window"  # shared K=V of every position, of which a query reads the last sliding_window
-PENDING = "pending"  # the layer input of every position, from which the compressor pools a closing window
+# the compressor's state of every position: its KV projection and its gate (position bias added), from
+# which the token that closes a window pools the window's entry; the indexer's own compressor likewise
+STATE = "state"
+INDEX_STATE = "index_state"
 ENTRIES = "entries"  # compressed KV entries, one per rate positions
 INDEX = "index"  # the indexer's compressed keys (CSA), one per rate positions
-# Every cache has the same page size (vLLM then groups them without resizing any block): a page holds
-# PAGE_ROWS rows of the widest token row, the layer input of the pending cache.
+# Every cache has the same page size (vLLM then groups them without resizing any block): PAGE_ROWS rows
+# of the hidden size (the width of every other row divides it, see page_values).
 PAGE_ROWS = 16
 
 
@@ -56,26 +59,37 @@ class CacheGeometry:
         return (tokens - 1) // self.block_size - first // self.block_size + 1
 
 
+def state_width(head_dim: int, overlap: bool) -> int:
+    """A compressor's state row: its KV projection and its gate, each ``head_dim`` wide per window it
+    feeds (an overlapping compressor's token feeds two entries, ``2 x head_dim`` each)."""
+    return 2 * (2 if overlap else 1) * head_dim
+
+
 def page_values(config) -> int:
-    """Values in one page of every cache (see PAGE_ROWS)."""
+    """Values in one page of every cache: PAGE_ROWS x lcm(hidden, head_dim, index_head_dim), a multiple
+    of every row: the states are 2 or 4 x head_dim (index_head_dim) wide and PAGE_ROWS is a multiple of 4."""
     widths = [int(config.hidden_size), int(config.head_dim), int(config.index_head_dim)]
     return PAGE_ROWS * math.lcm(*widths)
 
 
 def layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
     """The caches an attention layer of ``layer_type`` holds: sliding layers the window only; CSA layers
-    window + pending inputs (the two windows an overlapping entry pools) + entries + indexer keys; HCA
-    layers window + pending inputs (one window) + entries."""
+    window + the compressor's and the indexer's states (the two windows an overlapping entry pools) +
+    entries + indexer keys; HCA layers window + the compressor's states (one window) + entries."""
     page = page_values(config)
-    hd, h = int(config.head_dim), int(config.hidden_size)
+    hd = int(config.head_dim)
     caches = {WINDOW: CacheGeometry(hd, 1, page // hd, int(config.sliding_window))}
     if layer_type == LAYER_SLIDING:
         return caches
     rate = int(config.compress_rates[layer_type])
-    caches[PENDING] = CacheGeometry(h, 1, page // h, (2 if layer_type == LAYER_CSA else 1) * rate)
+    csa = layer_type == LAYER_CSA
+    width = state_width(hd, csa)
+    caches[STATE] = CacheGeometry(width, 1, page // width, (2 if csa else 1) * rate)
     caches[ENTRIES] = CacheGeometry(hd, rate, rate * (page // hd), None)
-    if layer_type == LAYER_CSA:
+    if csa:
         idim = int(config.index_head_dim)
+        width = state_width(idim, True)
+        caches[INDEX_STATE] = CacheGeometry(width, 1, page // width, 2 * rate)
         caches[INDEX] = CacheGeometry(idim, rate, rate * (page // idim), None)
     return caches
 
@@ -204,8 +218,8 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
     weights = weight_bytes_per_device(cfg, tp, ep)
     lines = [
         f"attention state (DeepSeek-V4-Flash shape, memory.py): paged by vLLM, bf16, each layer only what its "
-        f"type needs for the request's own tokens (sliding: window; CSA: window, pending inputs, an entry and "
-        f"an indexer key per 4 tokens; HCA: window, pending inputs, an entry per 128 tokens); requests fitting "
+        f"type needs for the request's own tokens (sliding: window; CSA: window, compressor and indexer states, an "
+        f"entry and an indexer key per 4 tokens; HCA: window, compressor states, an entry per 128 tokens); requests fitting "
         f"a {device_gib} GiB device after {_size(weights)} of weights at TP{tp}/EP{ep}:"
     ]
     for r in flash_table(device_gib, tp, ep):
