@@ -401,7 +401,8 @@ def main() -> int:
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from ascend_adapters.common.versions import engine_distribution
-    from ascend_adapters.deepseek_v4.tiny import W8A8_PLAN, make_tiny
+    from ascend_adapters.deepseek_v4.tiny import make_tiny
+    from ascend_adapters.testing.modelslim import DEEPSEEK_V4_W8A8_PLAN as W8A8_PLAN
     from ascend_adapters.testing.modelslim import export_w8a8
 
     failed = 0

@@ -8,7 +8,8 @@ from pathlib import Path
 
 import torch
 
-from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny  # noqa: F401  (W8A8_PLAN re-exported for tests)
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny
+from ascend_adapters.testing.modelslim import DEEPSEEK_V4_W8A8_PLAN as W8A8_PLAN  # noqa: F401  (for the tests)
 from ascend_adapters.testing.parity import compare
 from ascend_adapters.testing.w8a8_reference import FOLLOWING, DynamicExperts, compare_within_rounding, quantize_linear
 

@@ -25,7 +25,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, W8A8_PLAN, make_tiny
+from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny
+from ascend_adapters.testing.modelslim import DEEPSEEK_V4_W8A8_PLAN as W8A8_PLAN
 from ascend_adapters.testing.mtp_fit import DEEPSEEK_V4_HEAD_SCALE
 from ascend_adapters.testing.w8a8_reference import FOLLOWING
 

@@ -483,3 +483,17 @@ def dynamic_linear_storage(model) -> dict:
         out["engine_prepacked"] += getattr(module, "modelslim_engine_linear", None) is not None
         out["plain_weight_kept"] += getattr(module, "weight", None) is not None
     return out
+
+
+# ModelSlim W8A8_DYNAMIC plan for the tiny DeepSeek-V4 checkpoint (native export names; fnmatch on the linear
+# prefix; ascend_adapters.testing.modelslim.export_w8a8): attention
+# projections, shared and routed experts. Router, compressor/indexer projections (kept in float by
+# transformers' own DeepSeek-V4 loading as well), the grouped wo_a, embeddings and head stay FLOAT.
+DEEPSEEK_V4_W8A8_PLAN = {
+    "*.attn.wq_a": "W8A8_DYNAMIC",
+    "*.attn.wkv": "W8A8_DYNAMIC",
+    "*.attn.wq_b": "W8A8_DYNAMIC",
+    "*.attn.wo_b": "W8A8_DYNAMIC",
+    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
+    "*.ffn.experts.*": "W8A8_DYNAMIC",
+}

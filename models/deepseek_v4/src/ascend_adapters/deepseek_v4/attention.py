@@ -29,11 +29,12 @@ from __future__ import annotations
 import torch
 from torch import nn
 from vllm.config import VllmConfig, get_current_vllm_config
-from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+from vllm.distributed import get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
+from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
@@ -52,19 +53,6 @@ from ascend_adapters.deepseek_v4.memory import (
 from ascend_adapters.deepseek_v4.rope import apply_rope, deepseek_v4_rope
 
 op = dispatch.op
-
-
-def _sharded_loader(dim: int):
-    """Weight loader for a parameter split evenly along ``dim`` across the tensor-parallel ranks."""
-
-    def loader(param: torch.Tensor, loaded: torch.Tensor) -> None:
-        tp, rank = get_tensor_model_parallel_world_size(), get_tensor_model_parallel_rank()
-        size = param.shape[dim]
-        if loaded.shape[dim] != size * tp:
-            raise ValueError(f"shape {tuple(loaded.shape)} does not split into {tp} x {tuple(param.shape)}")
-        param.data.copy_(loaded.narrow(dim, rank * size, size))
-
-    return loader
 
 
 def dsv4_attention(
@@ -182,7 +170,7 @@ class DeepseekV4Attention(nn.Module):
             torch.empty(self.o_groups * config.o_lora_rank, self.n_heads * self.head_dim // self.o_groups),
             requires_grad=False,
         )
-        self.o_a_proj.weight.weight_loader = _sharded_loader(0)
+        self.o_a_proj.weight.weight_loader = sharded_weight_loader(0)
         self.o_b_proj = RowParallelLinear(
             config.o_groups * config.o_lora_rank,
             h,
@@ -194,7 +182,7 @@ class DeepseekV4Attention(nn.Module):
             reduce_results=True,
         )
         self.sinks = nn.Parameter(torch.zeros(self.n_heads), requires_grad=False)
-        self.sinks.weight_loader = _sharded_loader(0)
+        self.sinks.weight_loader = sharded_weight_loader(0)
         self.compressor = None
         self.rate = None
         if self.layer_type == LAYER_CSA:

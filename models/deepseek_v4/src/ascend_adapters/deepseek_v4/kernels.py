@@ -19,8 +19,6 @@ NPU twins of this model's own hot ops (op-plugin docs/zh/custom_APIs/torch_npu, 
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 
@@ -28,7 +26,7 @@ from ascend_adapters.common import dispatch
 from ascend_adapters.common import kernels as _shared  # noqa: F401  (registers the shared ops the model calls)
 
 
-# ---------------------------------------------------------------- norms / rope
+# ---------------------------------------------------------------- norms
 @dispatch.portable("dsv4.rms_norm")
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim; ``weight=None`` is the unweighted variant."""
@@ -38,54 +36,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     if weight is None:
         return h.to(dtype)
     return weight * h.to(dtype)
-
-
-def rope_inv_freq(params: dict, head_dim: int, max_position_embeddings: int) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies and cos/sin scale for one rope-parameter dict (default or YaRN)."""
-    base = float(params["rope_theta"])
-    dim = int(head_dim * params.get("partial_rotary_factor", 1.0))
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
-    rope_type = params.get("rope_type", "default")
-    if rope_type == "default":
-        return 1.0 / pos_freqs, 1.0
-    if rope_type != "yarn":
-        raise ValueError(f"rope_type {rope_type!r} is not supported")
-    factor = params.get("factor")
-    orig = params["original_max_position_embeddings"]
-    if factor is None:
-        factor = max_position_embeddings / orig
-    attention_factor = params.get("attention_factor")
-    mscale, mscale_all_dim = params.get("mscale"), params.get("mscale_all_dim")
-
-    def get_mscale(scale, m=1.0):
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    if attention_factor is None:
-        if mscale and mscale_all_dim:
-            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
-        else:
-            attention_factor = get_mscale(factor)
-    beta_fast = params.get("beta_fast") or 32
-    beta_slow = params.get("beta_slow") or 1
-
-    def corr_dim(rot):
-        return (dim * math.log(orig / (rot * 2 * math.pi))) / (2 * math.log(base))
-
-    low, high = corr_dim(beta_fast), corr_dim(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
-    extra = 1 - ramp
-    inv = (1.0 / (factor * pos_freqs)) * (1 - extra) + (1.0 / pos_freqs) * extra
-    return inv, float(attention_factor)
-
-
-def rope_cos_sin(inv_freq: torch.Tensor, scale: float, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    freqs = positions.float()[:, None] * inv_freq[None, :].to(positions.device)
-    return freqs.cos() * scale, freqs.sin() * scale
 
 
 # ---------------------------------------------------------------- mHC

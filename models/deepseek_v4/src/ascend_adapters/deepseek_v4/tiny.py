@@ -21,19 +21,6 @@ from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE
 # expects DeepSeek's tokenizer; the tiny checkpoint ships a small local BPE.
 SERVE_ARGS = ["--tokenizer-mode", "hf"]
 
-# ModelSlim W8A8_DYNAMIC plan for the tiny checkpoint (native export names; fnmatch on the linear
-# prefix; ascend_adapters.testing.modelslim.export_w8a8): attention
-# projections, shared and routed experts. Router, compressor/indexer projections (kept in float by
-# transformers' own DeepSeek-V4 loading as well), the grouped wo_a, embeddings and head stay FLOAT.
-W8A8_PLAN = {
-    "*.attn.wq_a": "W8A8_DYNAMIC",
-    "*.attn.wkv": "W8A8_DYNAMIC",
-    "*.attn.wq_b": "W8A8_DYNAMIC",
-    "*.attn.wo_b": "W8A8_DYNAMIC",
-    "*.ffn.shared_experts.*": "W8A8_DYNAMIC",
-    "*.ffn.experts.*": "W8A8_DYNAMIC",
-}
-
 # Small enough for a 2-core CPU, big enough that every branch is exercised:
 # layer 0 sliding-only, 1 CSA (rate 4, indexer top-4), 2 HCA (rate 16), 3 CSA;
 # hash-routed MoE in the first layer; window 16 so 100+ token prompts are many
