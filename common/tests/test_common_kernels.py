@@ -8,10 +8,13 @@ Bounds, with u the unit roundoff of the dtype computed in (2**-24 float32, 2**-8
   covers exact zeros). The clamps are exact.
 * ``common.rope_interleaved``: each output is a cos - b sin from two products and one sum in float32
   (3u relative to |a cos| + |b sin|) and one rounding to x's dtype (u |y|).
-* ``common.swiglu_experts``: the portable form sums in x's dtype; the reference is float64. Each
-  route's term is two matmuls of depth K (|error| <= K u |a| |b| for a dot product of length K, the
-  classic bound), the SwiGLU (8u) and the weight product (u); the sum over k routes adds k u. The
-  test bounds the normwise error by (2 max(H, I) + 8 + 2 + k) u, the first-order sum of these.
+* ``common.swiglu_experts``: the portable form runs one grouped GEMM per projection over all routes
+  (``torch._grouped_mm``: the same dot products as a matmul per expert) and sums in x's dtype; the
+  reference is float64, one route at a time. Each route's term is two matmuls of depth K (|error| <=
+  K u |a| |b| for a dot product of length K, the classic bound), the SwiGLU (8u) and the weight
+  product (u); the sum over k routes adds k u. The test bounds the normwise error by
+  (2 max(H, I) + 8 + 2 + k) u, the first-order sum of these. Zero-padding an unaligned contraction
+  dimension adds exact zero products and changes none of it.
 """
 
 from __future__ import annotations
@@ -106,9 +109,14 @@ def test_swiglu_experts_match_the_route_by_route_reference(dtype, limit):
     assert rel <= _moe_bound(dtype, 32, 24, 2), rel
 
 
+def _rel(y, ref):
+    return ((y.double() - ref).norm() / ref.norm()).item()
+
+
 def test_swiglu_experts_honour_expert_map_and_negative_routes():
     x, w13, w2, wts, ids = _moe_case(7, e=6)
     ids[0, 0] = -1  # no route
+    ids[1] = -1  # no route at all
     # this rank holds global experts 1, 3 and 4 as local 0, 1, 2
     emap = torch.full((6,), -1, dtype=torch.long)
     emap[torch.tensor([1, 3, 4])] = torch.arange(3)
@@ -117,25 +125,82 @@ def test_swiglu_experts_honour_expert_map_and_negative_routes():
     ref = experts.grouped_experts_reference(
         x, wts, ids, experts.swiglu_expert_reference(local_w13, local_w2, None), expert_map=emap
     )
-    assert ((y.double() - ref).norm() / ref.norm()).item() <= _moe_bound(torch.float32, 32, 24, 2)
-    # tokens whose routes all lead to other ranks get exactly zero
+    assert _rel(y, ref) <= _moe_bound(torch.float32, 32, 24, 2)
+    # tokens whose routes all lead to other ranks (or nowhere) get exactly zero
     elsewhere = ~torch.isin(ids, torch.tensor([1, 3, 4])).any(dim=1)
     assert bool(elsewhere.any()) and torch.equal(y[elsewhere], torch.zeros_like(y[elsewhere]))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize(
+    "routing", ["idle_experts", "one_expert", "last_expert_idle", "all_elsewhere", "one_token"], ids=str
+)
+def test_swiglu_experts_any_routing_within_the_bound(dtype, routing):
+    """Experts with no token (the last one too: its group also holds the routes of no local expert),
+    every route to one expert, every route to another rank, a single token."""
+    x, w13, w2, wts, ids = _moe_case(9, e=5, t=13, k=3, dtype=dtype)
+    emap = None
+    if routing == "idle_experts":
+        ids = ids % 2 * 3  # experts 0 and 3 only
+    elif routing == "one_expert":
+        ids = torch.full_like(ids, 2)
+    elif routing == "last_expert_idle":
+        ids = ids % 4
+        ids[::3, 0] = -1
+    elif routing == "all_elsewhere":
+        emap = torch.full((10,), -1, dtype=torch.long)
+        emap[5:] = torch.arange(5)  # this rank holds global 5..9; every route is to 0..4
+    else:
+        x, wts, ids = x[:1], wts[:1], ids[:1]
+    y = dispatch.op("common.swiglu_experts")(x, w13, w2, wts, ids, expert_map=emap, limit=1.0)
+    assert y.dtype == dtype and y.shape == x.shape
+    if routing == "all_elsewhere":
+        assert torch.equal(y, torch.zeros_like(y))
+        return
+    ref = experts.grouped_experts_reference(x, wts, ids, experts.swiglu_expert_reference(w13, w2, 1.0), expert_map=emap)
+    assert _rel(y, ref) <= _moe_bound(dtype, 32, 24, 3), _rel(y, ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_swiglu_experts_unaligned_dims_are_padded(dtype):
+    """H = 30 and I = 13 are no multiple of 16 bytes in either dtype: torch._grouped_mm refuses such
+    strides, so both contraction dimensions are zero-padded (zero products: the same bound)."""
+    h, i = 30, 13
+    x, w13, w2, wts, ids = _moe_case(10, e=4, h=h, i=i, dtype=dtype)
+    with pytest.raises(RuntimeError, match="16 bytes"):
+        torch._grouped_mm(x, w13.transpose(1, 2), offs=torch.tensor([0, 0, 0, x.shape[0]], dtype=torch.int32))
+    y = dispatch.op("common.swiglu_experts")(x, w13, w2, wts, ids, limit=None)
+    ref = experts.grouped_experts_reference(x, wts, ids, experts.swiglu_expert_reference(w13, w2, None))
+    assert _rel(y, ref) <= _moe_bound(dtype, h, i, 2), _rel(y, ref)
+
+
+def test_grouped_mm_is_a_matmul_per_group():
+    """``experts.grouped_mm`` against one matmul per group, float32 (the same dot products: equal
+    within the classic dot-product bound K u sum |a||b|), with empty groups first, inside and last."""
+    g = _g(11)
+    rows, w = torch.randn(9, 20, generator=g), torch.randn(5, 7, 20, generator=g)
+    sizes = [0, 4, 0, 5, 0]
+    offsets = torch.tensor(sizes, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    y = experts.grouped_mm(rows, w, offsets)
+    groups = torch.repeat_interleave(torch.arange(5), torch.tensor(sizes))
+    ref = torch.stack([rows[r].double() @ w[e].double().t() for r, e in enumerate(groups.tolist())])
+    mag = torch.stack([rows[r].double().abs() @ w[e].double().abs().t() for r, e in enumerate(groups.tolist())])
+    assert ((y.double() - ref).abs() <= 20 * U[torch.float32] * mag).all()
+
+
 def test_grouped_experts_weight_on_input_and_empty():
     x, w13, w2, wts, ids = _moe_case(8, k=1)
+    h = x.shape[1]
 
-    def linear_expert(e, rows):  # linear in the input: weighting before or after is the same map
-        return rows @ w13[e, : x.shape[1]].t()
+    def linear_experts(rows, routes):  # linear in the input: weighting before or after is the same map
+        return experts.grouped_mm(rows, w13[:, :h], routes.offsets)
 
-    on_in = experts.grouped_experts(x, wts, ids, linear_expert, num_experts=5, weight_on_input=True)
-    after = experts.grouped_experts(x, wts, ids, linear_expert, num_experts=5, acc_dtype=torch.float32)
+    on_in = experts.grouped_experts(x, wts, ids, linear_experts, num_experts=5, weight_on_input=True)
+    after = experts.grouped_experts(x, wts, ids, linear_experts, num_experts=5, acc_dtype=torch.float32)
     # each side is one float32 dot product of length H per element (error <= H u sum |x||w|, the
     # classic bound) plus the weight product and the cast (2u): the two differ by at most twice that
-    h = x.shape[1]
     w_abs = w13[:, :h].abs().amax(dim=0)
     bound = 2 * (h + 2) * U[torch.float32] * (x.abs() @ w_abs.t()) * wts.abs().amax() + 1e-30
     assert ((on_in - after).abs() <= bound).all()
-    empty = experts.grouped_experts(x[:0], wts[:0], ids[:0], linear_expert, num_experts=5)
+    empty = experts.grouped_experts(x[:0], wts[:0], ids[:0], linear_experts, num_experts=5)
     assert empty.shape == (0, x.shape[1])

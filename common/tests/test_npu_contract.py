@@ -6,7 +6,10 @@ allow and otherwise computes the documented formula. Here it stands in for ``tor
 * each contract rule the NPU path depends on is shown to fire (the emulator is not a pass-through);
 * every op registered with ``dispatch.npu`` runs against its portable twin in float16 and bfloat16;
 * the fixes of issue 12 hold: bfloat16 MoE scales, one local expert, float32 activations, outputs wider
-  than 65535, the path chosen from the tensor's device, and no float64 in the portable int8 matmul.
+  than 65535, the path chosen from the tensor's device, and no float64 in the portable int8 matmul;
+* the experts' routing on the device (``npu_moe_init_routing_v2``, ``npu_moe_token_unpermute``) keeps
+  expert maps, negative ids and experts with no token (test_experts_capture.py: no host read, one op
+  sequence).
 """
 
 from __future__ import annotations
@@ -123,6 +126,66 @@ def test_emulator_enforces_the_float_and_clipped_swiglu_contracts():
     want = a.clamp(max=2.0) * torch.sigmoid(a.clamp(max=2.0)) * b.clamp(-2.0, 2.0)
     got = emu.npu_clipped_swiglu(h, alpha=1.0, limit=2.0, bias=0.0, interleaved=False)
     torch.testing.assert_close(got, want)
+
+
+def test_emulator_enforces_the_moe_routing_and_unpermute_contracts():
+    g = _g(3)
+    x = torch.randn(4, 8, generator=g).bfloat16()
+    ids = torch.tensor([[0, 2], [1, 1], [2, 0], [3, 1]], dtype=torch.int32)
+    kw = dict(active_num=8, expert_num=4, expert_tokens_num_type=0, expert_tokens_num_flag=True)
+    with pytest.raises(NpuContractError, match="expert_idx"):
+        emu.npu_moe_init_routing_v2(x, ids.long(), **kw)  # 参数说明 expert_idx: int32
+    with pytest.raises(NpuContractError, match="an expert id >= expert_num"):
+        emu.npu_moe_init_routing_v2(x, ids, **dict(kw, expert_num=3, active_expert_range=[0, 3]))
+    with pytest.raises(NpuContractError, match="active_expert_range"):
+        emu.npu_moe_init_routing_v2(x, ids, **dict(kw, active_expert_range=[0, 5]))
+    with pytest.raises(NpuContractError, match="expert_num"):
+        emu.npu_moe_init_routing_v2(x, ids, **dict(kw, expert_num=10241))
+    y = torch.randn(8, 8, generator=g).bfloat16()
+    perm = torch.randperm(8, generator=g).to(torch.int32)
+    probs = torch.rand(4, 2, generator=g).bfloat16()
+    with pytest.raises(NpuContractError, match="sortedIndices"):
+        emu.npu_moe_token_unpermute(y, perm.long(), probs=probs)  # aclnnMoeTokenUnpermute: INT32
+    with pytest.raises(NpuContractError, match="repeated indices"):
+        emu.npu_moe_token_unpermute(y, torch.zeros(8, dtype=torch.int32), probs=probs)
+    with pytest.raises(NpuContractError, match="outside"):
+        emu.npu_moe_token_unpermute(y, perm - 1, probs=probs)  # the -1 of an inactive route
+    with pytest.raises(NpuContractError, match="rows for"):
+        emu.npu_moe_token_unpermute(y[:6], perm[:6], probs=probs)
+    with pytest.raises(NpuContractError, match="paddedMode"):
+        emu.npu_moe_token_unpermute(y, perm, probs=probs, padded_mode=True)
+
+
+def test_emulator_moe_routing_and_unpermute_follow_the_documented_formulas():
+    """npu_moe_init_routing_v2 功能说明 1-6 and aclnnMoeTokenUnpermute's 功能说明, written out here."""
+    g = _g(4)
+    x = torch.randn(5, 6, generator=g)
+    ids = torch.tensor([[3, 0], [1, 3], [0, 0], [2, 4], [4, 1]], dtype=torch.int32)
+    flat = ids.reshape(-1).tolist()
+    for rng in ([0, 5], [1, 4]):
+        kw = dict(expert_num=5, expert_tokens_num_flag=True, active_expert_range=rng)
+        ex, row_idx, cum, _ = emu.npu_moe_init_routing_v2(x, ids, active_num=10, expert_tokens_num_type=0, **kw)
+        _, scatter_idx, counts, _ = emu.npu_moe_init_routing_v2(x, ids, expert_tokens_num_type=1, row_idx_type=1, **kw)
+        # stable sort of the active routes by expert: (expert, flat index) pairs in order
+        active = sorted((e, j) for j, e in enumerate(flat) if rng[0] <= e < rng[1])
+        n = len(active)
+        assert ex.shape == (10, 6) and row_idx.dtype == torch.int32 and cum.dtype == torch.int64
+        assert torch.equal(ex[:n], torch.stack([x[j // 2] for _, j in active]))
+        assert bool(ex[n:].isnan().all())  # rows past the available ones: not described, NaN here
+        want_gather = [-1] * 10
+        for i, (_, j) in enumerate(active):
+            want_gather[j] = i
+        assert row_idx.tolist() == want_gather
+        assert scatter_idx[:n].tolist() == [j for _, j in active]
+        want_counts = [sum(1 for e, _ in active if e == ex_id) for ex_id in range(rng[0], rng[1])]
+        assert counts.tolist() == want_counts and cum.tolist() == torch.tensor(want_counts).cumsum(0).tolist()
+    # unpermute: O[i] = sum_j P[i][j] * T[S[i*topK + j]]
+    t = torch.randn(10, 6, generator=g)
+    s = torch.randperm(10, generator=g).to(torch.int32)
+    p = torch.rand(5, 2, generator=g)
+    out = emu.npu_moe_token_unpermute(t, s, probs=p)
+    want = torch.stack([sum(p[i, j] * t[int(s[2 * i + j])] for j in range(2)) for i in range(5)])
+    torch.testing.assert_close(out, want, rtol=2 * U[torch.float32], atol=1e-7)
 
 
 def test_emulator_math_matches_the_documented_formulas():
@@ -363,6 +426,79 @@ def test_output_wider_than_65535_is_split(emulated):
     for dtype in (torch.bfloat16, torch.float16):
         _case_dynamic_linear(dtype, g, n=65536 + 7, k=16, with_bias=False)
         _case_static_linear(dtype, g, n=65536 + 7, k=16)
+
+
+def _routing(case, g, t, k, e):
+    """``(ids, expert_map)`` of a routing that stresses the NPU routing: another rank's experts (an
+    interleaved placement) and negative ids, experts with no token (the last one too), one expert."""
+    ids = torch.randint(0, e, (t, k), generator=g)
+    if case == "expert_map":
+        emap = torch.full((2 * e,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(e, dtype=torch.int32)  # global 1, 3, 5, ... are this rank's 0, 1, 2, ...
+        ids = torch.randint(0, 2 * e, (t, k), generator=g)
+        ids[0] = 0  # every route elsewhere: exactly zero
+        ids[1, 0] = -1
+        return ids, emap
+    if case == "idle_experts":
+        ids = ids % 2  # experts 0 and 1 only: the last one idle
+        ids[2, 1] = -1
+    elif case == "one_expert":
+        ids = torch.full_like(ids, e - 1)
+    return ids, None
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", ["expert_map", "idle_experts", "one_expert", "one_token"])
+def test_npu_swiglu_experts_within_the_reference_bound(case, dtype, emulated):
+    """The emulated NPU float experts against the float64 route-by-route reference. Each route's term is two
+    grouped matmuls of depth K (float32 products and sums, |error| <= K u32 |a||b|, then one rounding to
+    dtype, u), the SwiGLU (float32, one rounding: u) and, in npu_moe_token_unpermute, the weight rounded
+    to dtype (u) and a float32 sum of k products rounded once (u): within test_common_kernels' bound
+    (2 max(H, I) + 8 + 2 + k) u, normwise."""
+    from ascend_adapters.common.kernels import experts
+
+    g = _g(21)
+    e, h, i, t, k = 4, 48, 32, 13, 2
+    x = torch.randn(t, h, generator=g).to(dtype)
+    w13 = (torch.randn(e, 2 * i, h, generator=g) / h**0.5).to(dtype)
+    w2 = (torch.randn(e, h, i, generator=g) / i**0.5).to(dtype)
+    ids, emap = _routing(case, g, t, k, e)
+    wts = torch.rand(t, k, generator=g)
+    if case == "one_token":
+        x, ids, wts = x[:1], ids[:1], wts[:1]
+    y = _npu("common.swiglu_experts")(x, w13, w2, wts, ids, expert_map=emap, limit=1.0)
+    assert y.dtype == dtype and y.shape == x.shape
+    ref = experts.grouped_experts_reference(x, wts, ids, experts.swiglu_expert_reference(w13, w2, 1.0), expert_map=emap)
+    rel = ((y.double() - ref).norm() / ref.norm()).item()
+    assert rel <= (2 * max(h, i) + 8 + 2 + k) * U[dtype], rel
+    if dtype != torch.float32:  # and within _case_swiglu_experts' bound of the portable twin
+        port = _port("common.swiglu_experts")(x, w13, w2, wts, ids, expert_map=emap, limit=1.0)
+        twin = ((y.double() - port.double()).norm() / port.double().norm()).item()
+        assert twin <= 2 * (2 + 3 + k) * U[dtype], twin
+    if case == "expert_map":
+        assert torch.equal(y[0], torch.zeros_like(y[0]))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("case", ["expert_map", "idle_experts", "one_expert", "weight_on_input"])
+def test_npu_moe_routings_match_portable(case, dtype, emulated):
+    """The emulated NPU W8A8 experts against the portable ones (which test_quant_kernels checks route by
+    route) for the routings above and router weights on the input (k = 2: each route's row scaled before
+    its quantization), within _moe_bound."""
+    g = _g(22)
+    e, h, i, t, k = 4, 64, 32, 13, 2
+    w13, s13, w2, s2, topk_w, _ = _moe_inputs(g, e, h, i, t, k)
+    ids, emap = _routing(case, g, t, k, e)
+    x = torch.randn(t, h, generator=g).to(dtype)
+    kw = {"expert_map": emap, "apply_router_weight_on_input": case == "weight_on_input"}
+    pack = _npu("modelslim.pack_weight")
+    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids, **kw)
+    ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids, **kw)
+    assert y.dtype == dtype and y.shape == (t, h)
+    rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
+    assert rel <= _moe_bound(dtype), rel
+    if case == "expert_map":
+        assert torch.equal(y[0], torch.zeros_like(y[0]))
 
 
 def test_kernel_path_follows_the_tensor_device(monkeypatch):

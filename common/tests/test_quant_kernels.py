@@ -440,6 +440,120 @@ def test_moe_swiglu_limit_clamps_gate_and_up():
     assert (unclamped.double() - ref).abs().max() > 10 * 2e-3 * ref.abs().max()
 
 
+def _route_by_route(x, w13, s13, w2, s2, topk_w, ids, expert_map=None, on_input=False, limit=None):
+    """Every route alone, one at a time: its token's row through the linear op itself
+    (``pk.w8a8_dynamic_linear``, whose exact int32 accumulator comes from ``torch._int_mm`` or
+    ``int8_matmul``'s blocks, not from the grouped GEMM), its output summed in float64.
+
+    Returns ``(ref, mag, slack)`` per token and channel: the sum of ``w * o`` over the token's local
+    routes, the sum of ``|w * o|``, and the effect of one int8 step of the hidden wherever it may
+    round apart. The kernel computes each route's row with the same quantizer, the same exact
+    accumulator and the same float32 scaling, so its ``o`` is this one but for the SwiGLU: torch's
+    silu may round a value differently by its position in a tensor (vectorised or not), by a few
+    u32, and so may the scale s = max|a| / 127; a hidden value a / s then rounds to another int8 step
+    only within 32 u32 |a / s| of a .5 boundary. Each such step moves the route's output by at most
+    ``s * s2[n] * |w2[n, k]|``: ``slack`` sums that over those elements, times |w|.
+    """
+    t_, h_ = x.shape
+    ref, mag, slack = (torch.zeros(t_, h_, dtype=torch.float64) for _ in range(3))
+    for t in range(t_):
+        for j in range(ids.shape[1]):
+            gid = int(ids[t, j])
+            e = -1 if gid < 0 else (gid if expert_map is None else int(expert_map[gid]))
+            if e < 0:
+                continue
+            row = x[t : t + 1]
+            if on_input:
+                row = (row.float() * topk_w[t, j].float()).to(x.dtype)
+            hid = pk.w8a8_dynamic_linear(row, w13[e], s13[e])
+            a = pk._act("silu", hid.float(), limit).to(x.dtype)
+            o = pk.w8a8_dynamic_linear(a, w2[e], s2[e]).double()[0]
+            sa = a.float().abs().amax() / 127.0
+            q = a.double()[0] / (sa.double() if sa > 0 else 1.0)
+            near = (q - q.floor() - 0.5).abs() <= 32 * U32 * q.abs()
+            c = 1.0 if on_input else float(topk_w[t, j])
+            ref[t] += c * o
+            mag[t] += abs(c) * o.abs()
+            slack[t] += abs(c) * sa.double() * s2[e].double() * w2[e].double().abs()[:, near].sum(dim=1)
+    return ref, mag, slack
+
+
+def _assert_route_bound(y, ref, mag, slack, k):
+    """The kernel weights each route's float32 output (one float32 product) and sums k of them in
+    float32: <= k u32 sum |w o|; the hidden's possible int8 steps add ``slack``, and their scale
+    difference 8 u32 |w o|; the final cast to float32 is exact."""
+    bound = (k + 8) * U32 * mag + slack + 1e-30
+    over = (y.double() - ref).abs() - bound
+    assert (over <= 0).all(), f"{int((over > 0).sum())} outputs beyond the bound, worst {over.max().item():.3g}"
+
+
+@pytest.mark.parametrize(
+    "case",
+    ["expert_map", "idle_experts", "last_expert_idle", "one_token", "weight_on_input", "two_k_blocks", "unaligned"],
+)
+def test_moe_route_by_route_within_the_derived_bound(case):
+    """The fixed-shape grouped kernel against every route computed alone, for routings that stress the
+    grouping: another rank's and negative routes, experts with no token (the last one too: its group also
+    holds the routes of no local expert), one token, router weights on the input; K over two exact
+    float32 blocks (H = 1030: 1024 + 6, the second block zero-padded to 8) and unaligned K (H = 30, I = 13)."""
+    g = _gen(10)
+    e, h, i, t, k = 6, 64, 32, 17, 3
+    if case == "two_k_blocks":
+        h = 1030
+    elif case == "unaligned":
+        h, i = 30, 13
+    w13, s13, w2, s2 = _moe_weights(g, e, h, i)
+    x = torch.randn(t, h, generator=g)
+    ids = torch.randint(0, e, (t, k), generator=g)
+    topk_w = torch.rand(t, k, generator=g)
+    kw, emap = {}, None
+    if case == "expert_map":
+        # EP rank 1 of 2 with an interleaved placement: global 1, 3, ..., 11 are local 0..5
+        emap = torch.full((2 * e,), -1, dtype=torch.int32)
+        emap[1::2] = torch.arange(e, dtype=torch.int32)
+        ids = torch.randint(0, 2 * e, (t, k), generator=g)
+        ids[0] = torch.tensor([0, 2, 4])  # every route elsewhere: exactly zero
+        ids[1, 0] = ids[2, 2] = -1
+        kw["expert_map"] = emap
+    elif case == "idle_experts":
+        ids = ids % 2 * 3  # experts 0 and 3 only
+    elif case == "last_expert_idle":
+        ids = ids % (e - 1)
+        ids[::4, 1] = -1
+    elif case == "one_token":
+        x, ids, topk_w = x[:1], ids[:1], topk_w[:1]
+    elif case == "weight_on_input":
+        kw["apply_router_weight_on_input"] = True
+    y = pk.w8a8_dynamic_moe(x, w13, s13, w2, s2, topk_w, ids, **kw)
+    assert y.dtype == x.dtype and y.shape == x.shape
+    ref, mag, slack = _route_by_route(
+        x, w13, s13, w2, s2, topk_w, ids, emap, on_input=bool(kw.get("apply_router_weight_on_input"))
+    )
+    _assert_route_bound(y, ref, mag, slack, k)
+    if case == "expert_map":
+        assert torch.equal(y[0], torch.zeros(h))
+
+
+@pytest.mark.parametrize("column_blocks", [1, 3])
+def test_moe_grouped_int8_matmul_is_exact(column_blocks, monkeypatch):
+    """The grouped integer GEMM equals the int64 product per group, bit for bit: full-range int8 values at
+    K = 2100 (three float32 blocks, the last zero-padded), where one float32 sum would not be exact; with
+    the weights converted all at once or two output columns at a time (a smaller float32 block budget)."""
+    if column_blocks > 1:
+        monkeypatch.setattr(pk, "F32_WEIGHT_BLOCK_BYTES", 4 * 4 * pk.EXACT_F32_BLOCK * 2)  # E = 4: 2 columns
+    g = _gen(11)
+    xq = _int8((9, 2100), g)
+    xq[0] = -127
+    w = _int8((4, 5, 2100), g)
+    w[0, 0] = -128  # row 0 (group 0) times this row: 2100 * 127 * 128 > 2**24
+    offsets = torch.tensor([3, 3, 7, 9], dtype=torch.int32)
+    acc = pk.grouped_int8_matmul(xq, w, offsets)
+    groups = [0, 0, 0, 2, 2, 2, 2, 3, 3]
+    exact = torch.stack([xq[r].long() @ w[e].long().t() for r, e in enumerate(groups)])
+    assert acc.dtype == torch.int32 and torch.equal(acc.long(), exact)
+    assert exact.abs().max() > 2**24  # beyond float32's exact integers: the blocks are needed
+
+
 def test_kernel_ops_have_portable_and_npu_implementations():
     ops = dispatch.registered_ops()
     for name in OPS:

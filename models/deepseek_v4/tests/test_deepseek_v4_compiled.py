@@ -194,8 +194,13 @@ def _run_under_detector(inprocess_model, query_lens, seq_lens, decode_threshold=
 
 
 # the torch_npu operators DeepSeek-V4's NPU implementations call in a step: common.swiglu (clamped,
-# the shared expert) and common.swiglu_experts (the routed experts)
-NPU_KERNELS = {"torch_npu.npu_clipped_swiglu", "torch_npu.npu_grouped_matmul"}
+# the shared expert) and common.swiglu_experts (the routed experts: routing, grouped GEMMs, unpermute)
+NPU_KERNELS = {
+    "torch_npu.npu_clipped_swiglu",
+    "torch_npu.npu_moe_init_routing_v2",
+    "torch_npu.npu_grouped_matmul",
+    "torch_npu.npu_moe_token_unpermute",
+}
 STEPS = {
     "decode": ([1, 1, 1], [30, 9, 140], 1),
     "mtp_verify": ([3, 3, 3], [30, 9, 140], 3),  # 1 + 2 drafts each
@@ -212,7 +217,7 @@ def test_step_reads_no_device_value_on_host(inprocess_model, name, kernels):
         mode = _run_under_detector(inprocess_model, query_lens, seq_lens, threshold)
     layers = inprocess_model[1].model.layers
     assert mode.custom_ops.count("vllm.dsv4_attention.default") == len(layers)
-    assert set(mode.kernels) <= (NPU_KERNELS if kernels == "emulated_npu" else set()), mode.kernels
+    assert set(mode.kernels) == (NPU_KERNELS if kernels == "emulated_npu" else set()), mode.kernels
     assert mode.seen == [], (mode.outside, mode.inside)
 
 

@@ -196,7 +196,9 @@ def route_mtp_draft(
     spec.update_arch_()
 
 
-# common's routed-expert ops (common.kernels.experts, common.quant.moe): they sort routes on the host
+# common's routed-expert ops (common.kernels.experts, common.quant.moe): opaque calls of a known output
+# shape, run between the compiled pieces like the adapters' attention and state ops (they read nothing
+# on the host, so a whole captured decode step may hold them)
 EXPERT_OPS = ("vllm::ascend_adapters_swiglu_experts", "vllm::ascend_adapters_w8a8_dynamic_moe")
 
 

@@ -6,7 +6,10 @@ limits) with an :class:`NpuContractError` naming the argument, and otherwise com
 formula on CPU. The rule beside each check cites the Ascend op-plugin page it comes from
 (``docs/zh/custom_APIs/torch_npu/<page>.md`` in github.com/Ascend/op-plugin, read at commit 517f2e7d,
 2026-08-21; npu_clipped_swiglu at 12c385b8 and npu_grouped_matmul's float rows at 02ea4757) and the section (功能说明 = description/formula, 参数说明 = parameters,
-约束说明 = constraints). Where this project relies on a behaviour the page does not state (rounding
+约束说明 = constraints). ``npu_moe_token_unpermute`` has no page there: its rules cite the operator's
+own page, ``moe/moe_token_unpermute/docs/aclnnMoeTokenUnpermute.md`` in the CANN ops-transformer
+repository (github.com/hicann/ops-transformer, read at commit 37b9e45d), which torch_npu calls
+straight through. Where this project relies on a behaviour the page does not state (rounding
 mode, saturation, an all-zero row), the emulator picks one and says "(unverified)".
 
 Nothing here says anything about NPU speed or about kernel bugs; it says that the calls the NPU
@@ -51,9 +54,9 @@ def _trace(op: str) -> None:
         Path(folder, f"{os.getpid()}-{op}").write_text("called\n")
 
 
-def _require(ok: bool, op: str, page: str, section: str, message: str) -> None:
+def _require(ok: bool, op: str, page: str, section: str, message: str, docs: str = _DOCS) -> None:
     if not ok:
-        raise NpuContractError(f"{op}: {message} [{_DOCS}{page} {section}]")
+        raise NpuContractError(f"{op}: {message} [{docs}{page} {section}]")
 
 
 def _round_int8(v: torch.Tensor) -> torch.Tensor:
@@ -401,6 +404,154 @@ def _grouped_matmul_float(xt, wt, bias, scale, per_token_scale, gl, group_list_t
     return y.to(out)
 
 
+# --- npu_moe_init_routing_v2 -------------------------------------------------------------------------
+_INIT = "torch_npu-npu_moe_init_routing_v2.md"
+_INT32_MAX = 2**31 - 1
+
+
+def npu_moe_init_routing_v2(
+    x,
+    expert_idx,
+    *,
+    scale=None,
+    offset=None,
+    active_num=-1,
+    expert_capacity=-1,
+    expert_num=-1,
+    drop_pad_mode=0,
+    expert_tokens_num_type=0,
+    expert_tokens_num_flag=False,
+    quant_mode=-1,
+    active_expert_range=(),
+    row_idx_type=0,
+):
+    op = "npu_moe_init_routing_v2"
+    _trace(op)
+    # Only the form this project uses is emulated: not quantized (quant_mode -1, no scale / offset),
+    # dropless (drop_pad_mode 0), counts or cumsum requested (expert_tokens_num_flag, type 0 or 1).
+    if quant_mode != -1 or scale is not None or offset is not None:
+        raise NotImplementedError(f"{op}: only quant_mode -1 without scale / offset is emulated")
+    if drop_pad_mode != 0:
+        raise NotImplementedError(f"{op}: only the dropless form (drop_pad_mode 0) is emulated")
+    if not expert_tokens_num_flag or expert_tokens_num_type == 2:
+        raise NotImplementedError(f"{op}: only expert_tokens_num_flag True with type 0 or 1 is emulated")
+    # 参数说明 x: "要求为2维张量，shape为(NUM_ROWS, H)。数据类型支持float16、bfloat16、float32、int8"
+    ok = x.dim() == 2 and x.dtype in (torch.float16, torch.bfloat16, torch.float32, torch.int8)
+    _require(ok, op, _INIT, "参数说明 x", f"x {x.dtype} {tuple(x.shape)} (2-D float16/bfloat16/float32/int8)")
+    # 参数说明 expert_idx: "要求是2维张量，shape为(NUM_ROWS, K)" ... "数据类型支持int32"
+    ok = expert_idx.dim() == 2 and expert_idx.shape[0] == x.shape[0] and expert_idx.dtype == torch.int32
+    _require(
+        ok, op, _INIT, "参数说明 expert_idx", f"{expert_idx.dtype} {tuple(expert_idx.shape)} for x rows {x.shape[0]}"
+    )
+    # 参数说明 expert_tokens_num_type: 0 (cumsum), 1 (count), 2 (key_value)
+    _require(
+        expert_tokens_num_type in (0, 1), op, _INIT, "参数说明 expert_tokens_num_type", f"{expert_tokens_num_type}"
+    )
+    # 参数说明 expert_num: "其他模式取值范围为[0, 10240]" (outside key_value mode)
+    _require(0 <= expert_num <= 10240, op, _INIT, "参数说明 expert_num", f"{expert_num} outside [0, 10240]")
+    # 参数说明 active_num: "在dropless场景下，取值需大于等于-1"
+    _require(active_num >= -1, op, _INIT, "参数说明 active_num", f"{active_num} (>= -1 in the dropless form)")
+    # 参数说明 active_expert_range: [expert_start, expert_end), "要求值大于等于0，并且expert_end不大于expert_num";
+    # "传入默认值时，视为活跃的expert范围在0到expert_num之间"
+    rng = list(active_expert_range) or [0, expert_num]
+    ok = len(rng) == 2 and 0 <= rng[0] < rng[1] <= expert_num
+    _require(ok, op, _INIT, "参数说明 active_expert_range", f"{rng} for expert_num {expert_num}")
+    start, end = rng
+    # 参数说明 row_idx_type: 0 (gather index) or 1 (scatter index)
+    _require(row_idx_type in (0, 1), op, _INIT, "参数说明 row_idx_type", f"{row_idx_type}")
+    ids = expert_idx.long().reshape(-1)
+    # 参数说明 expert_idx: "专家id不能超过专家数"
+    _require(
+        bool((ids < expert_num).all()), op, _INIT, "参数说明 expert_idx", f"an expert id >= expert_num {expert_num}"
+    )
+    n, k = expert_idx.shape
+    # 功能说明 1: sortedExpertIdx, sortedRowIdx = keyValueSort(expertIdx, rowIdx); 等价计算逻辑: a stable sort,
+    # ids below expert_start sorted last (as INT32_MAX)
+    key = torch.where(ids < start, torch.full_like(ids, _INT32_MAX), ids)
+    sorted_key, sorted_row = torch.sort(key, stable=True)
+    # 功能说明 6: availableIdxNum = |{x in expertIdx | expert_start <= x < expert_end}|
+    avail = int(((ids >= start) & (ids < end)).sum())
+    # 功能说明 2 and 返回值说明 expanded_row_idx: int32 (NUM_ROWS*K,); type 1 (scatter): [i] = sortedRowIdx[i],
+    # the first availableIdxNum valid ("无效数据未初始化": -1 here, unverified); type 0 (gather):
+    # [sortedRowIdx[i]] = i, "无效数据由-1填充"
+    row_idx = torch.full((n * k,), -1, dtype=torch.int64)
+    if row_idx_type == 1:
+        row_idx[:avail] = sorted_row[:avail]
+    else:
+        row_idx[sorted_row[:avail]] = torch.arange(avail)
+    # 功能说明 3 and 返回值说明 expert_token_cumsum_or_count: int64, one per expert of the active range
+    counts = torch.bincount(sorted_key[:avail] - start, minlength=end - start)
+    tokens = counts.cumsum(0) if expert_tokens_num_type == 0 else counts
+    # 返回值说明 expanded_x: [NUM_ROWS*K, H] (active_num -1 or 0), [min(active_num, NUM_ROWS*K), H] (Active);
+    # 功能说明 5: expandedXOut[i] = x[sortedRowIdx[i] // K] for the available rows. The other rows are not
+    # described: NaN here (0 for int8), so that a caller relying on them shows (unverified).
+    rows = n * k if active_num in (-1, 0) else min(active_num, n * k)
+    fill = float("nan") if x.dtype.is_floating_point else 0
+    expanded = torch.full((rows, x.shape[1]), fill, dtype=x.dtype)
+    m = min(avail, rows)
+    expanded[:m] = x[sorted_row[:m] // k]
+    # 返回值说明 expanded_scale: float32, "expert_idx的shape去掉最后一维之后所有维度的乘积" elements; without scale
+    # in the unquantized form "输出expanded_scale中的值无意义" (参数说明 scale): NaN here
+    expanded_scale = torch.full((n,), float("nan"), dtype=torch.float32)
+    return expanded, row_idx.to(torch.int32), tokens.to(torch.int64), expanded_scale
+
+
+# --- npu_moe_token_unpermute -------------------------------------------------------------------------
+# torch_npu documents this operator only in a docstring (op-plugin codegen/templates/_op_plugin_docs.py,
+# "npu_moe_token_unpermute"), which gives bfloat16 only and int64 indices; torch_npu passes its tensors
+# straight to aclnnMoeTokenUnpermute (op_plugin/ops/opapi/MoeTokenUnpermuteKernelNpuOpApi.cpp), whose page
+# gives bfloat16/float16/float32 and int32 indices (the indices op-plugin's own test and vllm-ascend pass).
+# The rules below are that page's.
+_CANN_DOCS = "ops-transformer moe/moe_token_unpermute/docs/"
+_UNPERMUTE = "aclnnMoeTokenUnpermute.md"
+
+
+def npu_moe_token_unpermute(permuted_tokens, sorted_indices, probs=None, padded_mode=False, restore_shape=None):
+    op = "npu_moe_token_unpermute"
+    _trace(op)
+    floats = (torch.bfloat16, torch.float16, torch.float32)
+
+    def req(ok, section, message):
+        _require(ok, op, _UNPERMUTE, section, message, docs=_CANN_DOCS)
+
+    # 参数说明 paddedMode: "目前仅支持false"; restoreShapeOptional: "目前仅支持nullptr"
+    req(padded_mode is False, "参数说明 paddedMode", "only False is supported")
+    req(restore_shape is None, "参数说明 restoreShapeOptional", "only None is supported")
+    # 参数说明 permutedTokens: BFLOAT16, FLOAT16, FLOAT32; 2-D (tokens_num * topK_num, hidden_size)
+    ok = permuted_tokens.dtype in floats and permuted_tokens.dim() == 2
+    req(ok, "参数说明 permutedTokens", f"{permuted_tokens.dtype} rank {permuted_tokens.dim()} (2-D float)")
+    # 参数说明 probsOptional: BFLOAT16, FLOAT16, FLOAT32, (tokens_num, topK_num); "当probs不传时，topK_num=1"
+    if probs is not None:
+        req(probs.dtype in floats and probs.dim() == 2, "参数说明 probsOptional", f"{probs.dtype} rank {probs.dim()}")
+        tokens_num, top_k = probs.shape
+    else:
+        tokens_num, top_k = permuted_tokens.shape[0], 1
+    # 约束说明 (Atlas A2/A3): "topK_num <= 512"
+    req(top_k <= 512, "约束说明", f"topK_num {top_k} > 512")
+    rows = permuted_tokens.shape[0]
+    req(
+        rows == tokens_num * top_k, "参数说明 permutedTokens", f"{rows} rows for {tokens_num} tokens x topK_num {top_k}"
+    )
+    # 参数说明 sortedIndices: INT32, 1-D (tokens_num * topK_num), "取值范围是[0, tokens_num * topK_num - 1]，且没有重复索引"
+    ok = sorted_indices.dtype == torch.int32 and tuple(sorted_indices.shape) == (tokens_num * top_k,)
+    req(
+        ok,
+        "参数说明 sortedIndices",
+        f"{sorted_indices.dtype} {tuple(sorted_indices.shape)}, int32 ({tokens_num * top_k},)",
+    )
+    idx = sorted_indices.long()
+    in_range = idx.numel() == 0 or (int(idx.min()) >= 0 and int(idx.max()) < tokens_num * top_k)
+    req(in_range, "参数说明 sortedIndices", f"values outside [0, {tokens_num * top_k - 1}]")
+    req(idx.unique().numel() == idx.numel(), "参数说明 sortedIndices", "repeated indices")
+    # 功能说明: T[k] = T[S[k]]; T[k] = T[k] * P[i][j]; O[i] = sum_{k = i*topK}^{(i+1)*topK - 1} T[k]; out in
+    # permutedTokens' dtype (参数说明 out). Computed in float32 and rounded once (unverified: the page gives the
+    # formula, not the precision).
+    t = permuted_tokens.float().index_select(0, idx).reshape(tokens_num, top_k, -1)
+    if probs is not None:
+        t = t * probs.float().unsqueeze(-1)
+    return t.sum(dim=1).to(permuted_tokens.dtype)
+
+
 # --- npu_swiglu --------------------------------------------------------------------------------------
 _SWIGLU = "（beta）torch_npu-npu_swiglu.md"
 
@@ -564,6 +715,8 @@ __all__ = [
     "npu_quantize",
     "npu_quant_matmul",
     "npu_grouped_matmul",
+    "npu_moe_init_routing_v2",
+    "npu_moe_token_unpermute",
     "npu_swiglu",
     "npu_clipped_swiglu",
     "npu_rotary_mul",

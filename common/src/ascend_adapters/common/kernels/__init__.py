@@ -7,8 +7,8 @@ package registers:
 
 * ``common.swiglu`` (``activation``): SwiGLU on ``[gate | up]``, optionally clamped (DeepSeek-V4);
 * ``common.swiglu_experts`` (``experts``): routed float experts with that SwiGLU, grouped by expert;
-  ``experts.grouped_experts`` is the per-expert loop every MoE kernel here runs (the float op and
-  ModelSlim's W8A8 experts);
+  ``experts.grouped_experts`` routes, sorts and groups on the device for every MoE kernel here (the
+  float op and ModelSlim's W8A8 experts), one grouped GEMM per projection;
 * ``common.rope_interleaved`` (``rope``): interleaved ("GPT-J") RoPE on the trailing channels.
 """
 

@@ -1,15 +1,42 @@
-"""Routed experts: the per-expert loop over routed tokens, shared by every MoE kernel here.
+"""Routed experts with fixed shapes and no host read: routing, grouping and combining on the device.
 
 A route is one (token, slot) of the router's ``topk_ids [T, k]`` (global expert ids; negative: no
 route). ``expert_map [E_global]`` maps a global id to this rank's local id (-1: another rank).
-``grouped_experts`` sorts this rank's routes by expert (stable, so tokens keep their order inside
-an expert), runs ``expert(e, rows)`` once per expert with tokens and adds each result, times its
-router weight, into its token's row. ``grouped_experts_reference`` is the plain form: one route at a
-time, in float64.
+
+On an NPU each op is a kernel launch and vllm-ascend captures whole decode steps as graphs, so the
+experts read nothing on the host (no ``.tolist()``, ``.item()``, boolean-mask indexing, ``nonzero``)
+and dispatch the same op sequence whatever the batch size and whichever experts got tokens; every
+shape below follows from T, k, E and the weights alone:
+
+* ``sort_routes`` sorts all R = T*k routes by local expert on the device (a stable sort: routes keep
+  their token order inside an expert). The routes of no local expert (another rank's, or negative)
+  sort last and join the last local expert's group, so the groups always cover the R rows: those
+  rows are computed and dropped (their combine row is a trash row T). The cumulative group sizes
+  come from ``searchsorted`` over the sorted keys.
+* ``grouped_experts`` gathers the R rows in that order, runs ``experts(rows, routes)`` once over all
+  of them (the float and W8A8 kernels: one grouped GEMM per projection) and adds each output row,
+  times its router weight, into its token's row (``index_add_``, in route order).
+
+``grouped_experts_reference`` is the independent check: one route at a time, in float64.
 
 ``common.swiglu_experts`` is the float MoE of this shape: ``w13 [E, 2I, H]`` (gate rows then up
-rows), ``w2 [E, H, I]``, SwiGLU (optionally clamped) between them. Its NPU twin runs both matmuls as
-one ``npu_grouped_matmul`` each (m-grouped, single tensors, cumulative ``group_list``).
+rows), ``w2 [E, H, I]``, SwiGLU (optionally clamped) between them. Portable: one
+``torch._grouped_mm`` per projection (m-grouped, ``offs`` the cumulative group sizes). Its operands
+need strides that are multiples of 16 bytes; ``grouped_mm`` zero-pads the contraction dimension to
+that where it is not (some test shapes; the tiny checkpoints here have H = 128 and I = 32 or 64, 16
+or 32 per rank at TP=2, aligned in every float dtype), which adds only zero products.
+NPU twin, as vllm-ascend's all-gather dispatcher does it (``vllm_ascend/ops/fused_moe/
+token_dispatcher.py``, ``TokenDispatcherWithAllGather``): ``npu_moe_init_routing_v2`` sorts and
+expands the rows and counts them per expert, one ``npu_grouped_matmul`` per projection (m-grouped,
+single tensors, cumulative ``group_list``), and ``npu_moe_token_unpermute`` weights and sums each
+token's rows back (vllm-ascend's choice over ``npu_moe_finalize_routing``, which it reports
+inaccurate). The routes of no local expert go to one dummy expert E after the local ones and are
+weighted 0 in the combine (each is a real token's row, finite, so it adds 0); their rows join the
+last local expert's group, because
+``npu_grouped_matmul`` wants the group sizes to sum to the rows of x (npu_grouped_matmul.md 约束说明
+单单单 rule 3). Under expert parallelism over N ranks that computes about (N - 1) / N of the rows
+for nothing; vllm-ascend instead passes counts that sum to fewer rows than x has, which the page
+does not allow, so this project does not until it is verified on an NPU.
 """
 
 from __future__ import annotations
@@ -39,62 +66,73 @@ def local_routes(topk_ids: torch.Tensor, num_local_experts: int, expert_map: tor
 
 @dataclass(frozen=True)
 class Routes:
-    """This rank's routes sorted by local expert: ``tokens [R]``, ``weights [R]`` float32, ``counts [E]``."""
+    """All R = T*k routes sorted by local expert, every tensor of a fixed shape.
+
+    ``tokens [R]``: the token of each sorted row; ``experts [R]``: its group (its local expert; the
+    last one for a route of no local expert); ``dest [R]``: its combine row (its token, or the trash
+    row T for a route of no local expert); ``weights [R]``: its router weight, float32;
+    ``offsets [E]``: int32 cumulative group sizes, ``offsets[-1] == R``.
+    """
 
     tokens: torch.Tensor
+    experts: torch.Tensor
+    dest: torch.Tensor
     weights: torch.Tensor
-    counts: torch.Tensor
+    offsets: torch.Tensor
 
 
 def sort_routes(
     topk_weights: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
 ) -> Routes:
+    """This rank's view of all T*k routes, sorted by local expert on the device (``Routes``)."""
     t, k = topk_ids.shape[0], topk_ids.shape[-1]
-    local = local_routes(topk_ids.reshape(t, k), num_local_experts, expert_map).reshape(-1)
-    tok = torch.arange(t, device=topk_ids.device).repeat_interleave(k)
-    wts = topk_weights.reshape(-1).float()
-    keep = local >= 0
-    local, tok, wts = local[keep], tok[keep], wts[keep]
-    order = torch.argsort(local, stable=True)
-    local, tok, wts = local[order], tok[order], wts[order]
-    return Routes(tok, wts, torch.bincount(local, minlength=num_local_experts))
+    e = num_local_experts
+    local = local_routes(topk_ids.reshape(t, k), e, expert_map).reshape(-1)
+    key = torch.where(local >= 0, local, torch.full_like(local, e))  # no local expert: after every group
+    key, order = torch.sort(key, stable=True)
+    # group g ends after the last key <= g; the last group ends at R (it also takes the key-E rows)
+    bounds = torch.arange(e, device=key.device)
+    bounds[-1] = e
+    offsets = torch.searchsorted(key, bounds, right=True, out_int32=True)
+    tokens = torch.div(order, k, rounding_mode="floor")
+    dest = torch.where(key < e, tokens, torch.full_like(tokens, t))
+    weights = topk_weights.reshape(-1).float().index_select(0, order)
+    return Routes(tokens, key.clamp(max=e - 1), dest, weights, offsets)
 
 
 def grouped_experts(
     x: torch.Tensor,
     topk_weights: torch.Tensor,
     topk_ids: torch.Tensor,
-    expert: Callable[[int, torch.Tensor], torch.Tensor],
+    experts: Callable[[torch.Tensor, Routes], torch.Tensor],
     *,
     num_experts: int,
     expert_map: torch.Tensor | None = None,
     weight_on_input: bool = False,
     acc_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """``sum over routes of w * expert(e, x[token])`` per token, ``[T, H]`` in x.dtype.
+    """``sum over routes of w * expert(e, x[token])`` per token, ``[T, H_out]`` in x.dtype.
 
-    One ``expert(e, rows)`` call per local expert with tokens. The sum is accumulated in
-    ``acc_dtype`` (default x.dtype): each expert output and its router weight are cast to it before
-    the product. ``weight_on_input`` scales the rows (in float32, rounded to x.dtype) instead.
+    ``experts(rows, routes)`` maps the R gathered rows (sorted: row i belongs to local expert
+    ``routes.experts[i]``, the groups delimited by ``routes.offsets``) to their R output rows, all
+    at once. The sum is accumulated in ``acc_dtype`` (default x.dtype): each output row and its
+    router weight are cast to it before the product. ``weight_on_input`` scales the rows (in
+    float32, rounded to x.dtype) instead.
     """
     acc = acc_dtype or x.dtype
-    out = torch.zeros(x.shape[0], x.shape[-1], dtype=acc, device=x.device)
-    if x.shape[0] == 0:
-        return out.to(x.dtype)
+    t = x.shape[0]
+    if t == 0:
+        return torch.zeros(0, x.shape[-1], dtype=x.dtype, device=x.device)
     routes = sort_routes(topk_weights, topk_ids, num_experts, expert_map)
-    start = 0
-    for e, n in enumerate(routes.counts.tolist()):
-        if n == 0:
-            continue
-        tok, w = routes.tokens[start : start + n], routes.weights[start : start + n]
-        start += n
-        rows = x[tok]
-        if weight_on_input:
-            rows = (rows.float() * w[:, None]).to(x.dtype)
-            out.index_add_(0, tok, expert(e, rows).to(acc))
-        else:
-            out.index_add_(0, tok, expert(e, rows).to(acc) * w[:, None].to(acc))
-    return out.to(x.dtype)
+    rows = x.index_select(0, routes.tokens)
+    if weight_on_input:
+        rows = (rows.float() * routes.weights[:, None]).to(x.dtype)
+    y = experts(rows, routes).to(acc)
+    if not weight_on_input:
+        y = y * routes.weights[:, None].to(acc)
+    out = torch.zeros(t + 1, y.shape[-1], dtype=acc, device=x.device)
+    out.index_add_(0, routes.dest, y)
+    return out[:t].to(x.dtype)
 
 
 def grouped_experts_reference(
@@ -119,6 +157,75 @@ def grouped_experts_reference(
     return out
 
 
+def grouped_mm(rows: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``rows [R, K] @ w[g].T`` for each group g of rows (``offsets``: int32 cumulative sizes), ``w [E, N, K]``.
+
+    One ``torch._grouped_mm`` (float32, bfloat16, float16). It needs strides that are multiples of
+    16 bytes: the contraction dimension K of both operands is zero-padded to that where it is not
+    (zero products, so the same sums), and the weight is passed as the transposed view of ``[E, N, K]``.
+    """
+    unit = 16 // rows.element_size()
+    pad = -rows.shape[-1] % unit
+    if pad:
+        rows, w = F.pad(rows, (0, pad)), F.pad(w, (0, pad))
+    return torch._grouped_mm(rows.contiguous(), w.contiguous().transpose(1, 2), offs=offsets)
+
+
+@dataclass(frozen=True)
+class NpuRoutes:
+    """``npu_moe_init_routing_v2``'s routing of all R = T*k routes over this rank's E experts and one
+    dummy expert E (the routes of no local expert). ``rows [R, H]``: x's rows sorted by expert, the
+    dummy's last; ``row_idx [R]`` int32: the sorted position of route ``t*k + j`` (the gather index,
+    row_idx_type 0, which ``npu_moe_token_unpermute`` takes); ``group_list [E]`` int64: cumulative
+    group sizes with the dummy's rows in the last group, so ``group_list[-1] == R``; ``local [T, k]``:
+    whether the route is to an expert of this rank."""
+
+    rows: torch.Tensor
+    row_idx: torch.Tensor
+    group_list: torch.Tensor
+    local: torch.Tensor
+
+
+def npu_sort_routes(
+    x: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
+) -> NpuRoutes:
+    import torch_npu
+
+    t, k = topk_ids.shape[0], topk_ids.shape[-1]
+    e = num_local_experts
+    local = local_routes(topk_ids.reshape(t, k), e, expert_map)
+    # local ids, and the dummy expert e for the rest: arbitrary expert maps (not only one contiguous
+    # global range per rank, which is what vllm-ascend's active_expert_range expresses) and negative ids
+    ids = torch.where(local >= 0, local, torch.full_like(local, e)).to(torch.int32)
+    # npu_moe_init_routing_v2.md: dropless (drop_pad_mode 0), not quantized (quant_mode -1), every expert
+    # active (active_expert_range [0, expert_num]: every row of expanded_x is defined), cumulative counts
+    rows, row_idx, cumsum, _ = torch_npu.npu_moe_init_routing_v2(
+        x,
+        ids,
+        active_num=t * k,
+        expert_num=e + 1,
+        expert_tokens_num_type=0,
+        expert_tokens_num_flag=True,
+        quant_mode=-1,
+        active_expert_range=[0, e + 1],
+        row_idx_type=0,
+    )
+    # drop the last local expert's end: its group runs on to R, over the dummy's rows. group_list_type 0
+    # (cumulative) is valid for any number of experts; type 1 "may not have length 1"
+    # (npu_grouped_matmul.md 参数说明 group_list).
+    group_list = torch.cat([cumsum[: e - 1], cumsum[e:]])
+    return NpuRoutes(rows, row_idx, group_list, local >= 0)
+
+
+def npu_combine(y: torch.Tensor, routes: NpuRoutes, probs: torch.Tensor) -> torch.Tensor:
+    """``out[t] = sum_j probs[t, j] * y[row_idx[t*k + j]]`` with the routes of no local expert weighted 0:
+    ``npu_moe_token_unpermute`` (probs cast to y's dtype), ``[T, H]`` in y's dtype."""
+    import torch_npu
+
+    probs = torch.where(routes.local, probs, torch.zeros_like(probs)).to(y.dtype)
+    return torch_npu.npu_moe_token_unpermute(y, routes.row_idx, probs=probs)
+
+
 def swiglu_expert_reference(w13: torch.Tensor, w2: torch.Tensor, limit: float | None):
     """``expert(e, rows)`` of the float SwiGLU MoE, in float64 (for ``grouped_experts_reference``)."""
     from ascend_adapters.common.kernels.activation import swiglu_reference
@@ -140,12 +247,15 @@ def swiglu_experts(
     expert_map: torch.Tensor | None = None,
     limit: float | None = None,
 ) -> torch.Tensor:
-    """Float routed experts: this rank's ``w13 [E, 2I, H]`` / ``w2 [E, H, I]``; this rank's partial sum."""
+    """Float routed experts: this rank's ``w13 [E, 2I, H]`` / ``w2 [E, H, I]``; this rank's partial sum.
 
-    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        return F.linear(swiglu(F.linear(rows, w13[e]), limit), w2[e])
+    One grouped GEMM per projection over all T*k routes; the sum in x's dtype."""
 
-    return grouped_experts(x, topk_weights, topk_ids, expert, num_experts=w13.shape[0], expert_map=expert_map)
+    def experts(rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        h = swiglu(grouped_mm(rows, w13, routes.offsets), limit)
+        return grouped_mm(h, w2, routes.offsets)
+
+    return grouped_experts(x, topk_weights, topk_ids, experts, num_experts=w13.shape[0], expert_map=expert_map)
 
 
 @dispatch.npu("common.swiglu_experts")
@@ -161,32 +271,28 @@ def swiglu_experts_npu(
 ) -> torch.Tensor:
     import torch_npu
 
-    out = torch.zeros_like(x)
-    routes = sort_routes(topk_weights, topk_ids, w13.shape[0], expert_map)
-    if routes.tokens.numel() == 0:
-        return out
-    # group_list_type 0 (cumulative counts) is valid for any number of experts; type 1 "may not have
-    # length 1" (npu_grouped_matmul.md 参数说明 group_list).
-    group_list = torch.cumsum(routes.counts, 0).to(torch.int64)
+    t, k = topk_ids.shape[0], topk_ids.shape[-1]
+    if t == 0:
+        return torch.zeros_like(x)
+    routes = npu_sort_routes(x, topk_ids, w13.shape[0], expert_map)
 
     def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # 表2 非量化 rows: x and weight of one float dtype, y in it; 单单单 场景: weight [E, K, N] (a
         # transposed view is allowed: "支持weight转置"), split_item 2, group_type 0.
         return torch_npu.npu_grouped_matmul(
-            [a], [w.transpose(1, 2)], group_list=group_list, split_item=2, group_type=0, group_list_type=0
+            [a], [w.transpose(1, 2)], group_list=routes.group_list, split_item=2, group_type=0, group_list_type=0
         )[0]
 
-    h = swiglu_npu(gmm(x[routes.tokens], w13), limit)
-    o = gmm(h, w2)
-    out.index_add_(0, routes.tokens, o * routes.weights[:, None].to(x.dtype))
-    return out
+    h = swiglu_npu(gmm(routes.rows, w13), limit)
+    return npu_combine(gmm(h, w2), routes, topk_weights.reshape(t, k).float())
 
 
 # -- as vLLM custom ops ---------------------------------------------------------------------------
-# The routed experts sort and count their routes on the host (one call per expert with tokens), which
-# no compiled graph can hold. Through these ops vLLM's torch.compile sees one opaque call of a known
-# output shape (x's), and piecewise graph capture runs them eagerly between pieces (common.policy
-# lists them as splitting ops). Model code calls the experts through them.
+# The routed experts are registered opaque ops: vLLM's torch.compile sees one call of a known output
+# shape (x's), and piecewise graph capture runs them eagerly between pieces (common.policy lists them
+# as splitting ops). Their bodies read nothing on the host and dispatch a fixed op sequence
+# (common/tests/test_experts_capture.py), so they could be captured with the rest of a step. Model code
+# calls the experts through them.
 def _swiglu_experts_op(
     x: torch.Tensor,
     w13: torch.Tensor,

@@ -3,7 +3,9 @@
 Calls to the Ascend operators vllm-ascend uses for the same formats:
 ``npu_dynamic_quant`` / ``npu_quantize``, ``npu_quant_matmul``,
 ``npu_grouped_matmul`` and ``npu_swiglu`` / ``npu_clipped_swiglu`` (through
-common.kernels). Weights are pre-transposed to ``[K, N]`` (``[E, K, N]`` for
+common.kernels), and for the MoE's routing ``npu_moe_init_routing_v2`` and
+``npu_moe_token_unpermute`` (through common.kernels.experts: fixed shapes, no
+host read). Weights are pre-transposed to ``[K, N]`` (``[E, K, N]`` for
 experts) once after loading by ``pack_weight``.
 
 Each call keeps to the operator's documented contract (Ascend op-plugin,
@@ -28,7 +30,7 @@ import torch
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.common.kernels.activation import swiglu_npu
-from ascend_adapters.common.kernels.experts import sort_routes
+from ascend_adapters.common.kernels.experts import npu_combine, npu_sort_routes
 
 # npu_quant_matmul.md 约束说明: "x1与x2最后一维的shape大小不能超过65535"
 QMM_MAX_LAST_DIM = 65535
@@ -150,7 +152,13 @@ def w8a8_dynamic_moe(
     apply_router_weight_on_input: bool = False,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``."""
+    """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``.
+
+    Fixed shapes, no host read (``common.kernels.experts``, NPU twin): ``npu_moe_init_routing_v2`` sorts
+    all T*k routes, ``npu_dynamic_quant`` quantizes the sorted rows (routing unquantized, then quantizing,
+    keeps ``apply_router_weight_on_input`` for any k: the weight scales each route's row before its
+    quantization), one ``npu_grouped_matmul`` per projection, ``npu_moe_token_unpermute`` in float32
+    combines (the routes of no local expert weighted 0)."""
     import torch_npu
 
     if activation != "silu":
@@ -159,21 +167,21 @@ def w8a8_dynamic_moe(
     E = w13.shape[0]
     if w13.shape[1] != H or w2.shape[2] != H:
         raise ValueError(f"W8A8_DYNAMIC MoE on NPU: packed w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} for H={H}")
+    if T == 0:
+        return torch.zeros_like(x)
     # npu_grouped_matmul Table 2 (per-token): a bfloat16 scale gives bfloat16, a float32 scale float16;
     # there is no float32 output, so float32 activations run in bfloat16 and are cast back.
     cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
     sdt = torch.bfloat16 if cdt == torch.bfloat16 else torch.float32
-    routes = sort_routes(topk_weights, topk_ids, E, expert_map)
-    tok, wts = routes.tokens, routes.weights
-    out = torch.zeros(T, H, dtype=torch.float32, device=x.device)
-    if tok.numel() == 0:
-        return out.to(x.dtype)
-    # group_list_type 0 (cumulative counts): valid for any number of local experts; type 1 (counts)
-    # "may not have length 1" (npu_grouped_matmul.md 参数说明 group_list), i.e. one local expert.
-    group_list = torch.cumsum(routes.counts, 0).to(torch.int64)
-    rows = x[tok].to(cdt)
+    k = topk_ids.shape[-1]
+    wts = topk_weights.reshape(T, k).float()
+    routes = npu_sort_routes(x.to(cdt), topk_ids, E, expert_map)
+    rows = routes.rows
     if apply_router_weight_on_input:
-        rows = (rows.float() * wts[:, None]).to(cdt)
+        # each sorted row's router weight: row_idx is a permutation of the T*k rows (the gather index)
+        w_rows = torch.empty(T * k, dtype=torch.float32, device=x.device)
+        w_rows.scatter_(0, routes.row_idx.long(), wts.reshape(-1))
+        rows = (rows.float() * w_rows[:, None]).to(cdt)
 
     def gmm(a, a_scale, w, w_scale):
         return torch_npu.npu_grouped_matmul(
@@ -184,7 +192,7 @@ def w8a8_dynamic_moe(
             split_item=2,
             group_list_type=0,
             group_type=0,
-            group_list=group_list,
+            group_list=routes.group_list,
             output_dtype=cdt,
         )[0]
 
@@ -193,7 +201,5 @@ def w8a8_dynamic_moe(
     h = swiglu_npu(h, swiglu_limit)  # npu_swiglu, or npu_clipped_swiglu with the limit
     hq, hs = torch_npu.npu_dynamic_quant(h)
     o = gmm(hq, hs, w2, w2_scale).float()
-    if not apply_router_weight_on_input:
-        o = o * wts[:, None]
-    out.index_add_(0, tok, o)
-    return out.to(x.dtype)
+    probs = torch.ones_like(wts) if apply_router_weight_on_input else wts
+    return npu_combine(o, routes, probs).to(x.dtype)

@@ -22,6 +22,10 @@ GEMM is not exact or much slower at decode sizes (``PackedInt8Linear``: one more
 the torch path below. A quantized layer keeps one copy of its weight (``EngineInt8Linear``'s prepacked one,
 or ``PackedInt8Linear``'s plain one); the op itself, called with a plain weight, is the torch path.
 Weights stay in the checkpoint layout ``[N, K]`` (``pack_weight`` is the identity here).
+
+The routed experts (``w8a8_dynamic_moe``) run all of a step's routes at once with fixed shapes and no
+host read (``common.kernels.experts``); their grouped integer GEMM always takes the float32 blocks,
+through ``torch._grouped_mm`` (``grouped_int8_matmul`` says why).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ import torch
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.common.kernels.activation import clamps, swiglu
-from ascend_adapters.common.kernels.experts import grouped_experts, local_routes  # noqa: F401  (local_routes: re-export)
+from ascend_adapters.common.kernels.experts import Routes, grouped_experts, grouped_mm
 
 _INT_MM_OK: bool | None = None
 
@@ -387,6 +391,48 @@ def _act(name: str, h: torch.Tensor, swiglu_limit: float | None = None) -> torch
     raise ValueError(f"W8A8_DYNAMIC MoE: activation {name!r} is not supported (silu, gelu)")
 
 
+# the float32 copy of expert weights ``grouped_int8_matmul`` makes at a time: small enough that the allocator
+# reuses it from call to call (a fresh multi-MiB buffer per block costs more in page faults than the copy)
+# and that a large MoE layer's temporary stays bounded
+F32_WEIGHT_BLOCK_BYTES = 8 << 20
+
+
+def grouped_int8_matmul(xq: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Exact ``xq[i] @ w[g].T`` as int32 for every row i of group g: ``xq [R, K]`` int8, ``w [E, N, K]`` int8,
+    ``offsets [E]`` int32 cumulative group sizes (``offsets[-1] == R``) -> ``[R, N]``.
+
+    torch has no grouped integer GEMM, and a loop over experts either reads their row counts on the
+    host or, with fixed shapes, multiplies every row by every expert. So the int8 values go through
+    the float32 grouped GEMM (``experts.grouped_mm``) in blocks of at most EXACT_F32_BLOCK along K:
+    every product is an integer of magnitude <= 127 * 128, every partial sum of a block one of
+    magnitude < 1024 * 127 * 128 < 2**24, so each block is exact in float32 whatever the summation
+    order; the blocks are summed in int32, as ``int8_matmul`` does. No float64 (Ascend devices have
+    none). The price: each call converts this rank's expert weights to float32, a block of output
+    columns at a time (at most F32_WEIGHT_BLOCK_BYTES); the number of blocks follows from the
+    shapes alone. The NPU path runs ``npu_grouped_matmul`` on the int8 weights instead.
+    """
+    e, n, k = w.shape
+    kb = min(k, EXACT_F32_BLOCK)
+    nb = max(1, F32_WEIGHT_BLOCK_BYTES // (4 * e * kb))
+    xf = xq.to(torch.float32)
+    acc = torch.zeros(xq.shape[0], n, dtype=torch.int32, device=xq.device)
+    for c in range(0, n, nb):
+        cols = slice(c, min(c + nb, n))
+        for a in range(0, k, kb):
+            red = slice(a, min(a + kb, k))
+            acc[:, cols] += grouped_mm(xf[:, red], w[:, cols, red].to(torch.float32), offsets).to(torch.int32)
+    return acc
+
+
+def _grouped_dynamic_linear(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, routes: Routes) -> torch.Tensor:
+    """``w8a8_dynamic_linear`` of each sorted row with its group's ``w [E, N, K]`` and ``scale [E, N]``: the
+    same quantizer, exact accumulator and float32 scaling per row and channel, so the same values."""
+    xq, s = quantize_per_token(x)
+    acc = grouped_int8_matmul(xq, w, routes.offsets)
+    ws = scale.reshape(w.shape[0], -1).float().index_select(0, routes.experts)
+    return (acc.to(torch.float32) * (s * ws)).to(x.dtype)
+
+
 @dispatch.portable("modelslim.w8a8_dynamic_moe")
 def w8a8_dynamic_moe(
     x: torch.Tensor,
@@ -409,18 +455,22 @@ def w8a8_dynamic_moe(
     ``expert_map [E_global]`` global -> local id (-1: not on this rank). Returns ``[T, H]`` in x.dtype,
     the router-weighted sum over the local experts (the caller reduces across ranks).
     ``swiglu_limit`` (> 0) clamps the SwiGLU inputs: gate <= limit, -limit <= up <= limit.
+
+    All T*k routes at once with fixed shapes and no host read (``experts.grouped_experts``): per
+    projection one exact grouped integer GEMM (``grouped_int8_matmul``); each row's values are those
+    of ``w8a8_dynamic_linear`` on that row with its expert's weight; the sum in float32.
     """
 
-    def expert(e: int, rows: torch.Tensor) -> torch.Tensor:
-        h = w8a8_dynamic_linear(rows, w13[e], w13_scale[e].reshape(-1))
+    def experts(rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        h = _grouped_dynamic_linear(rows, w13, w13_scale, routes)
         a = _act(activation, h.float(), swiglu_limit).to(x.dtype)
-        return w8a8_dynamic_linear(a, w2[e], w2_scale[e].reshape(-1))
+        return _grouped_dynamic_linear(a, w2, w2_scale, routes)
 
     return grouped_experts(
         x,
         topk_weights,
         topk_ids,
-        expert,
+        experts,
         num_experts=w13.shape[0],
         expert_map=expert_map,
         weight_on_input=apply_router_weight_on_input,
