@@ -1,4 +1,5 @@
-"""The shared shell of the adapters' portable attention backends (each adapter's ``backend.py``).
+"""The shared shell of the adapters' portable attention backends (each adapter's ``backend.py``), and
+``register_layer``, how a layer that keeps paged state makes itself known to vLLM.
 
 An adapter whose layers attend over their own paged caches computes attention itself, in an opaque
 op of the layer; vLLM still asks each cache layer for a backend, whose metadata builder turns the
@@ -12,6 +13,17 @@ import torch
 from vllm.v1.attention.backend import AttentionBackend, AttentionImpl
 
 from ascend_adapters.common import compat
+
+
+def register_layer(name: str, layer) -> None:
+    """Enter ``layer`` in vLLM's ``static_forward_context`` under ``name`` (its prefix), as vLLM's own
+    attention and state layers do: vLLM then binds its caches and hands it its step's metadata."""
+    from vllm.config import get_current_vllm_config
+
+    context = get_current_vllm_config().compilation_config.static_forward_context
+    if name in context:
+        raise ValueError(f"Duplicate layer name: {name}")
+    context[name] = layer
 
 
 class LayerAttentionImpl(AttentionImpl):

