@@ -187,10 +187,9 @@ class NpuRoutes:
 
 
 def npu_sort_routes(
-    x: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
+    torch_npu, x: torch.Tensor, topk_ids: torch.Tensor, num_local_experts: int, expert_map: torch.Tensor | None
 ) -> NpuRoutes:
-    import torch_npu
-
+    """(``torch_npu``: the module, imported by the NPU twin that calls this.)"""
     t, k = topk_ids.shape[0], topk_ids.shape[-1]
     e = num_local_experts
     local = local_routes(topk_ids.reshape(t, k), e, expert_map)
@@ -217,10 +216,9 @@ def npu_sort_routes(
     return NpuRoutes(rows, row_idx, group_list, local >= 0)
 
 
-def npu_combine(y: torch.Tensor, routes: NpuRoutes, probs: torch.Tensor) -> torch.Tensor:
+def npu_combine(torch_npu, y: torch.Tensor, routes: NpuRoutes, probs: torch.Tensor) -> torch.Tensor:
     """``out[t] = sum_j probs[t, j] * y[row_idx[t*k + j]]`` with the routes of no local expert weighted 0:
     ``npu_moe_token_unpermute`` (probs cast to y's dtype), ``[T, H]`` in y's dtype."""
-    import torch_npu
 
     probs = torch.where(routes.local, probs, torch.zeros_like(probs)).to(y.dtype)
     return torch_npu.npu_moe_token_unpermute(y, routes.row_idx, probs=probs)
@@ -274,7 +272,7 @@ def swiglu_experts_npu(
     t, k = topk_ids.shape[0], topk_ids.shape[-1]
     if t == 0:
         return torch.zeros_like(x)
-    routes = npu_sort_routes(x, topk_ids, w13.shape[0], expert_map)
+    routes = npu_sort_routes(torch_npu, x, topk_ids, w13.shape[0], expert_map)
 
     def gmm(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         # 表2 非量化 rows: x and weight of one float dtype, y in it; 单单单 场景: weight [E, K, N] (a
@@ -284,7 +282,7 @@ def swiglu_experts_npu(
         )[0]
 
     h = swiglu_npu(gmm(routes.rows, w13), limit)
-    return npu_combine(gmm(h, w2), routes, topk_weights.reshape(t, k).float())
+    return npu_combine(torch_npu, gmm(h, w2), routes, topk_weights.reshape(t, k).float())
 
 
 # -- as vLLM custom ops ---------------------------------------------------------------------------

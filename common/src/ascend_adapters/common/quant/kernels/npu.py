@@ -175,7 +175,7 @@ def w8a8_dynamic_moe(
     sdt = torch.bfloat16 if cdt == torch.bfloat16 else torch.float32
     k = topk_ids.shape[-1]
     wts = topk_weights.reshape(T, k).float()
-    routes = npu_sort_routes(x.to(cdt), topk_ids, E, expert_map)
+    routes = npu_sort_routes(torch_npu, x.to(cdt), topk_ids, E, expert_map)
     rows = routes.rows
     if apply_router_weight_on_input:
         # each sorted row's router weight: row_idx is a permutation of the T*k rows (the gather index)
@@ -202,4 +202,4 @@ def w8a8_dynamic_moe(
     hq, hs = torch_npu.npu_dynamic_quant(h)
     o = gmm(hq, hs, w2, w2_scale).float()
     probs = torch.ones_like(wts) if apply_router_weight_on_input else wts
-    return npu_combine(o, routes, probs).to(x.dtype)
+    return npu_combine(torch_npu, o, routes, probs).to(x.dtype)
