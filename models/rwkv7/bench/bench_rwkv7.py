@@ -16,7 +16,8 @@ Measures, float32:
    ``layers x (2 C x 4 + H N^2 x 4 + 8)``;
 4. (section ``prefill_batch``) prefill of 8 concurrent 512-token prompts: every prefill of the
    step in one ``wkv7_chunk`` call against the per-sequence loop (one call per prompt), at the
-   kernel level and served (the same engine, the model switched between the two paths);
+   kernel level and served (the same engine; for the loop's runs this bench swaps the model's chunk
+   op for one call per sequence, ``_per_sequence_chunk``: the model itself has one path);
 5. (section ``compiled``) decode tokens/s at batch 1 and 8 served the default way (vLLM compiles the
    model: on CPU one Dynamo trace compiled by inductor) against ``--enforce-eager``, each engine's
    start-up time (compilation included) beside it;
@@ -312,6 +313,29 @@ def kernel_prefill_batch(h, n, lengths, threads, repeats):
     return {"batched_call_s": t_b, "per_sequence_loop_s": t_l, "ratio": t_l / t_b}
 
 
+def _per_sequence_chunk(batched, calls: list):
+    """``batched`` (the WKV chunk op) as one call per sequence of the flat batch, the loop the model ran
+    before every prefill of a step went into one call; each call appends to ``calls``."""
+    import torch
+
+    def chunk(r, w, k, v, a, b, initial_state=None, output_final_state=True, cu_seqlens=None, cu_seqlens_cpu=None):
+        calls.append(1)
+        bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+        cu = [0, r.shape[0]] if bounds is None else [int(x) for x in bounds]
+        outs = [
+            batched(
+                *(t[cu[i] : cu[i + 1]] for t in (r, w, k, v, a, b)),
+                None if initial_state is None else initial_state[i : i + 1],
+                output_final_state,
+            )
+            for i in range(len(cu) - 1)
+        ]
+        final = torch.cat([o[1] for o in outs]) if output_final_state else None
+        return torch.cat([o[0] for o in outs]), final
+
+    return chunk
+
+
 def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
     """vLLM in this (sub)process: ``prefill_batch`` or ``prefix_cache``."""
     from vllm import LLM, SamplingParams
@@ -372,12 +396,15 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
             max_num_batched_tokens=sum(len(p) for p in prompts),
         )
 
-        def set_batched(on):
-            def apply(model):
-                for layer in model.model.layers:
-                    layer.attn.batched_prefill = on
+        # the engine runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0, one worker): the model module
+        # here is the one serving, and its chunk op is swapped for the loop's runs
+        from ascend_adapters.rwkv7 import model as rwkv7_model
 
-            llm.apply_model(apply)
+        batched_chunk, loop_calls = rwkv7_model._wkv_chunk, []
+        per_sequence = _per_sequence_chunk(batched_chunk, loop_calls)
+
+        def set_batched(on):
+            rwkv7_model._wkv_chunk = batched_chunk if on else per_sequence
 
         def timed():
             t0 = time.perf_counter()
@@ -390,6 +417,9 @@ def _served_worker(kind: str, spec_path: str, out_path: str) -> int:
             for on in (True, False):
                 set_batched(on)
                 times[on] = min(times[on], timed())
+        set_batched(True)
+        if not loop_calls:
+            raise RuntimeError("the per-sequence loop was never called: the engine's model is not this process's")
         tokens = sum(len(p) for p in prompts)
         res = {
             "prompts": len(prompts),

@@ -79,3 +79,44 @@ def build_inprocess_model(ckpt: Path, state_rows: int):
         shapes, dtypes = layer.get_state_shape(), layer.get_state_dtype()
         layer.kv_cache = tuple(torch.randn(state_rows, *s).to(d) for s, d in zip(shapes, dtypes))
     return cfg, model
+
+
+def step_metadata(q_cpu, num_decodes, seq_lens, rows, *, query_start_loc=None, num_tokens=None):
+    """The state backend's metadata for one step, as ``Rwkv7StateMetadataBuilder`` makes it: requests whose
+    query starts are ``q_cpu`` (host ints, decodes first; its host values come from the builder's
+    ``host_values``), ``seq_lens`` ``[R]`` and ``rows`` (``[R, 1 + k]`` under speculation, else ``[R]``),
+    and ``query_start_loc``, the device copy of ``q_cpu`` (made from it when not given). ``num_tokens``: the
+    token count of a captured decode batch, which vLLM pads beyond its last request's tokens."""
+    import torch
+
+    from ascend_adapters.rwkv7.model import Rwkv7StateMetadata, Rwkv7StateMetadataBuilder
+
+    n, nd = len(q_cpu) - 1, num_decodes
+    width, bounds = Rwkv7StateMetadataBuilder.host_values(torch.tensor(q_cpu), nd, n - nd, rows.dim() == 2)
+    md = Rwkv7StateMetadata(
+        num_prefills=n - nd,
+        num_prefill_tokens=q_cpu[-1] - q_cpu[nd],
+        num_decodes=nd,
+        num_decode_tokens=num_tokens if num_tokens is not None else q_cpu[nd],
+        query_start_loc=None,
+        seq_lens=None,
+        state_indices_tensor=None,
+        decode_width=width,
+        prefill_bounds=bounds,
+    )
+    qsl = torch.tensor(q_cpu, dtype=torch.int32) if query_start_loc is None else query_start_loc
+    return with_tensors(md, qsl, seq_lens, rows)
+
+
+def with_tensors(md, query_start_loc, seq_lens, rows):
+    """``md`` (host values of a step) with these device tensors; a fresh object (no split made yet)."""
+    import dataclasses
+
+    speculative = rows.dim() == 2
+    return dataclasses.replace(
+        md,
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        state_indices_tensor=rows[:, 0] if speculative else rows,
+        state_rows=rows if speculative else None,
+    )

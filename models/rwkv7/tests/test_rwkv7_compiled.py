@@ -14,7 +14,8 @@ and the logits must match the official ``rwkv`` package within the eager gate's 
 Capture safety (in process, no engine): a decode-only step, the step a decode graph captures,
 runs the whole model forward under ``testing.capture.HostReads``, which records any op that reads
 a device value on the host or has a data-dependent output shape, inside the state ops too; the
-LINEAR backend declares graph support for exactly these steps (UNIFORM_SINGLE_TOKEN_DECODE).
+state backend's builder declares graph support for uniform steps (UNIFORM_BATCH), which
+``test_rwkv7_capture.py`` captures and replays.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import time
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, build_inprocess_model, prompts
+from _rwkv7_cases import CASES, build_case, build_inprocess_model, prompts, step_metadata
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -136,17 +137,9 @@ def inprocess_model(tmp_path_factory):
 
 
 def _decode_metadata(seq_lens: list[int], slots: list[int]):
-    from vllm.v1.attention.backends.linear_attn import LinearAttentionMetadata
-
     n = len(seq_lens)
-    return LinearAttentionMetadata(
-        num_prefills=0,
-        num_prefill_tokens=0,
-        num_decodes=n,
-        num_decode_tokens=n,
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        state_indices_tensor=torch.tensor(slots, dtype=torch.int32),
+    return step_metadata(
+        list(range(n + 1)), n, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(slots, dtype=torch.int32)
     )
 
 

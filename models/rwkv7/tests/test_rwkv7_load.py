@@ -1,5 +1,7 @@
 """Weight loading on the vLLM model built in this process (common's loader around vLLM's
-``AutoWeightsLoader``; no engine start): every tensor lands, a missing or unknown one is refused by name."""
+``AutoWeightsLoader``; no engine start): every tensor lands, a missing or unknown one is refused by name.
+Building the model changes nothing in vLLM: the CPU-platform patches it needs are applied by the plugin's
+``register()``."""
 
 from __future__ import annotations
 
@@ -25,9 +27,11 @@ def loader_case(tmp_path_factory):
     ckpt = make_tiny(tmp_path_factory.mktemp("rwkv7_loader") / "tiny")
     tensors = load_file(str(ckpt / "model.safetensors"))
 
-    def build():
+    def build(mamba_cache_mode=None):
         mc = ModelConfig(model=str(ckpt), dtype="float32", max_model_len=256, skip_tokenizer_init=True)
         cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
+        if mamba_cache_mode is not None:
+            cfg.cache_config.mamba_cache_mode = mamba_cache_mode
         with set_current_vllm_config(cfg):
             ensure_single_rank_parallel_state()
             return initialize_model(cfg)
@@ -64,3 +68,24 @@ def test_unknown_tensor_is_refused_naming_it(loader_case, name):
     build, tensors = loader_case
     with pytest.raises(CheckpointError, match=rf"^RWKV-7 checkpoint tensor {re.escape(name)}\b"):
         build().load_weights([*tensors.items(), (name, torch.zeros(4, 4))])
+
+
+def test_register_applies_the_cpu_patches_and_building_the_model_none(loader_case, monkeypatch):
+    """``register()`` (the fixture ran it) installs the CPU-platform patches this model needs (the state-block
+    copy of prefix caching, the receive buffers of a later pipeline stage); building a model in prefix
+    caching's "align" mode leaves vLLM as it found it."""
+    from vllm.v1.worker import mamba_utils
+    from vllm.v1.worker.cpu_model_runner import CPUModelRunner
+
+    build, _ = loader_case
+    assert getattr(mamba_utils.batch_memcpy, "_ascend_adapters_cpu", False)
+    assert getattr(CPUModelRunner.sync_and_gather_intermediate_tensors, "_ascend_adapters_cpu", False)
+
+    def unpatched(*args):  # stands for vLLM's own function: a patch applied now would replace it
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(mamba_utils, "batch_memcpy", unpatched)
+    monkeypatch.setattr(CPUModelRunner, "sync_and_gather_intermediate_tensors", unpatched)
+    build(mamba_cache_mode="align")
+    assert mamba_utils.batch_memcpy is unpatched
+    assert CPUModelRunner.sync_and_gather_intermediate_tensors is unpatched

@@ -18,17 +18,18 @@ spread (a few units): ~1e-1, three orders of magnitude above the bound.
 
 In process (no engine): a decode step of four tokens (one token and three drafts) followed by a
 step that accepted one draft reproduces the plain prompt forward of the accepted tokens; the
-speculative decode step reads no device value on the host (``HostReads``), as the backend's
-declared graph support (UNIFORM_BATCH) requires.
+speculative decode step reads no device value on the host (``HostReads``), as the builder's
+declared graph support (UNIFORM_BATCH) requires (``test_rwkv7_capture.py`` replays such a step captured).
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 
 import pytest
 import torch
-from _rwkv7_cases import CASES, build_case, build_inprocess_model, engine_configs, prompts
+from _rwkv7_cases import CASES, build_case, build_inprocess_model, engine_configs, prompts, step_metadata
 from _rwkv7_ref import rwkv_package_logits
 
 from ascend_adapters.common.evidence import EvidenceRecord
@@ -172,25 +173,9 @@ def inprocess_model(tmp_path_factory):
 
 def _metadata(q_lens, seq_lens, rows, num_decodes):
     """The backend's metadata for requests with ``q_lens`` tokens (decodes first) and state ``rows``."""
-    from ascend_adapters.rwkv7.model import Rwkv7StateMetadata
-
-    n = len(q_lens)
-    qsl = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
-    rows = torch.tensor(rows, dtype=torch.int32)
-    return Rwkv7StateMetadata(
-        num_prefills=n - num_decodes,
-        num_prefill_tokens=int(sum(q_lens[num_decodes:])),
-        num_decodes=num_decodes,
-        num_decode_tokens=int(sum(q_lens[:num_decodes])),
-        query_start_loc=qsl,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        state_indices_tensor=rows[:, 0],
-        state_indices_tensor_d=rows[:num_decodes],
-        state_indices_tensor_p=rows[num_decodes:, 0],
-        num_accepted_tokens=torch.ones(num_decodes, dtype=torch.int32),
-        query_start_loc_d=qsl[: num_decodes + 1],
-        state_rows=rows,
-        decode_width=max(q_lens[:num_decodes], default=1),
+    q_cpu = [0, *itertools.accumulate(q_lens)]
+    return step_metadata(
+        q_cpu, num_decodes, torch.tensor(seq_lens, dtype=torch.int32), torch.tensor(rows, dtype=torch.int32)
     )
 
 

@@ -2,9 +2,12 @@
 
 vLLM calls `register()` in every process it starts, so it stays idempotent and
 cheap: lazy "module:Class" registration of the model, plus the config class
-(``model_type: rwkv7``), the World tokenizer class and the start-up policy
+(``model_type: rwkv7``), the World tokenizer class, the start-up policy
 (``policy.py``: state-cache sizing; refusing speculative methods other than n-gram, a head count
-that tensor parallelism cannot split, and more pipeline stages than layers).
+that tensor parallelism cannot split, and more pipeline stages than layers) and the two CPU-platform
+patches of vLLM this model needs (``common.cpu_patches``: the state-block copy of prefix caching and
+the receive buffers of a later pipeline stage; nothing changes on NPU and GPU), applied here once
+rather than when a model is built.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ ARCHITECTURES: dict[str, str] = {
 
 
 def register() -> None:
+    from ascend_adapters.common import cpu_patches
     from ascend_adapters.common.registry import register_architectures
     from ascend_adapters.rwkv7 import policy
     from ascend_adapters.rwkv7.config import register_config
@@ -33,3 +37,5 @@ def register() -> None:
     register_tokenizer()
     register_architectures(ARCHITECTURES)
     policy.install()
+    cpu_patches.enable_cpu_mamba_state_copy()  # prefix caching ("align" mode)
+    cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism

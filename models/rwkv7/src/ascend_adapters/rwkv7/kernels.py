@@ -98,12 +98,15 @@ def wkv7_chunk(
     output_final_state: bool = True,
     cu_seqlens=None,
     chunk_size: int = DEFAULT_CHUNK,
+    cu_seqlens_cpu=None,
 ):
     """Chunked parallel form for a flat batch of sequences (prompts or prompt chunks), in one call.
 
     The signature follows flash-linear-attention's ``chunk_rwkv7``: r, w, k, v, a, b are the
     sequences concatenated, ``[T, H, N]``; ``cu_seqlens`` ``[B + 1]`` holds each sequence's start
-    offset (``None``: one sequence); ``initial_state`` ``[B, H, N, N]`` float32 (value, key; fla
+    offset (``None``: one sequence), ``cu_seqlens_cpu`` the same on the host (fla's name; a sequence
+    of ints reads nothing from a device), which the kernel plans its chunks from when given (else it
+    reads ``cu_seqlens``); ``initial_state`` ``[B, H, N, N]`` float32 (value, key; fla
     keeps key first) is each sequence's state before its tokens (``None``: zeros). ``w`` is the
     decay itself, not its log. Returns ``(y [T, H, N] float32, final state [B, H, N, N] or None)``;
     the inputs are not modified.
@@ -113,18 +116,20 @@ def wkv7_chunk(
     is gathered for all of them at once, its intra-chunk algebra runs as batched matmuls, then the
     ``[N, N]`` state update steps through the group's positions. A sequence that has run out is
     fed identity transitions (w = 1, zero r/k/v/a/b), which change neither its state nor any
-    output. Groups hold about ``_TILE_CHUNKS`` chunks so the working set stays in cache.
+    output, and its padding rows are written to a spare output row (a fixed-shape scatter, no
+    boolean-mask gather). Groups hold about ``_TILE_CHUNKS`` chunks so the working set stays in cache.
     """
     T, H, N = r.shape
     L = chunk_size
     dev = r.device
-    cu = [0, T] if cu_seqlens is None else [int(x) for x in cu_seqlens]
+    bounds = cu_seqlens_cpu if cu_seqlens_cpu is not None else cu_seqlens
+    cu = [0, T] if bounds is None else [int(x) for x in bounds]
     B = len(cu) - 1
     n_chunks = [(cu[i + 1] - cu[i] + L - 1) // L for i in range(B)]
     order = sorted(range(B), key=lambda i: -n_chunks[i])
     S = torch.zeros(B, H, N, N, dtype=torch.float32, device=dev) if initial_state is None else initial_state.float()
     S = S[order].clone() if order != list(range(B)) else S.clone()
-    y = torch.empty(T, H, N, dtype=torch.float32, device=dev)
+    y = torch.empty(T + 1, H, N, dtype=torch.float32, device=dev)  # row T: where padding positions go
     starts = torch.tensor([cu[i] for i in order], device=dev)
     ends = torch.tensor([cu[i + 1] for i in order], device=dev)
     idx = torch.arange(L, device=dev)
@@ -176,10 +181,10 @@ def wkv7_chunk(
             ys[:, c] = y_v[:, c] + y_s[:, c] @ s_now.transpose(-1, -2)
             s_now = s_now @ g[:, c] + h[:, c]
         S[:n_seq] = s_now
-        y[pos[valid]] = ys.transpose(2, 3).reshape(n_seq, G * L, H, N)[valid]
+        y[torch.where(valid, pos, T).view(-1)] = ys.transpose(2, 3).reshape(n_seq * G * L, H, N)
         j0 += G
     if not output_final_state:
-        return y, None
+        return y[:T], None
     final = torch.empty_like(S)
     final[order] = S
-    return y, final
+    return y[:T], final

@@ -37,18 +37,21 @@ Compilation (vLLM's ``@support_torch_compile`` on ``Rwkv7Model``): everything th
 or writes the per-sequence state is one of two registered custom ops that write their
 outputs in place (``vllm::rwkv7_token_shift``, ``vllm::rwkv7_wkv``; the policy lists them
 as splitting ops, like vLLM's ``linear_attention``), and the compiled graph holds the
-projections, norms and mixes between them. Both ops read the step from vLLM's LINEAR
-backend metadata; a decode-only step (every request one token) reads no device value on
-the host, so it is safe to capture as a graph, as that backend declares
-(``UNIFORM_SINGLE_TOKEN_DECODE``). A step with prefills reads the prefill boundaries on the
-host inside the ops (those steps run the ops eagerly between graph pieces).
+projections, norms and mixes between them. Both ops read the step from the state backend's
+metadata (``Rwkv7StateMetadataBuilder``), which takes its host values from vLLM's host copies
+(``query_start_loc_cpu``): no step reads a device value on the host, inside the ops too. A step
+whose requests all have the same query length (single-token decode, or a verification step of
+``1 + k`` tokens) uses no host value beyond its shapes, so it replays captured as one graph on new
+tokens, sequence lengths, state rows and state contents; the builder declares ``UNIFORM_BATCH``.
+A step with prefills plans its WKV chunks on host values from the builder (those steps run the ops
+eagerly between graph pieces).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -84,18 +87,23 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
+from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.linear_attn import (
     BailingLinearAttentionBackend,
     BailingLinearAttentionMetadata,
     BailingLinearAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
-from vllm.v1.attention.backends.utils import mamba_get_block_table_tensor
+from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, mamba_get_block_table_tensor
 
-from ascend_adapters.common import compat, cpu_patches, dispatch
+from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.loading import load_checkpoint
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
+
+# the kernel ops the state ops call, looked up once
+_wkv_step = dispatch.op("rwkv7.wkv_step")
+_wkv_chunk = dispatch.op("rwkv7.wkv_chunk")
 
 # exp(-0.5): RWKV-7's decay is w = exp(-exp(-0.5) * sigmoid(.)), so log w >= -0.6065 per token
 _DECAY_SCALE = 0.6065306597126334
@@ -136,12 +144,35 @@ class Rwkv7StateMetadata(BailingLinearAttentionMetadata):
     state_rows: torch.Tensor | None = None
     # the longest decode of the step (host int, <= 1 + num_speculative_tokens): the token positions stepped
     decode_width: int = 1
+    # a step with prefills: each prefill's token offsets from the first prefill token, host ints from
+    # vLLM's host copy of the query starts (the WKV chunk plans on them); None for a decode-only step,
+    # which uses no host value
+    prefill_bounds: tuple[int, ...] | None = None
+    # how the step's tokens split into sequences: made by the step's first state op, from the first layer's
+    # token counts before any layer rewrites them, and read by every layer of the group (they share this object)
+    split: _Batch | None = field(default=None, init=False, repr=False, compare=False)
 
 
 class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
+    """Bailing's builder plus the state rows under speculation and the host values a step needs, read from
+    the host copies vLLM hands every builder (``query_start_loc_cpu``), never from the device tensors.
+
+    Graph support: ``UNIFORM_BATCH``. A step whose requests all have the same query length (single-token
+    decode, or a verification step of ``1 + k`` tokens each) uses no host value beyond that length and
+    the batch size, and vLLM's padding requests of a captured batch (no tokens, sequence length 0) go
+    to the null block, so it replays captured on new tokens, sequence lengths, state rows and state
+    contents (``tests/test_rwkv7_capture.py``)."""
+
+    _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+
+    @classmethod
+    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
+        # what vLLM reads; Bailing's builder answers here instead of from the class attribute
+        return cls._cudagraph_support
+
     def build(self, common_prefix_len, common_attn_metadata, fast_build=False, **spec_args) -> Rwkv7StateMetadata:
         md = super().build(common_prefix_len, common_attn_metadata, fast_build, **spec_args)
-        rows, width = None, 1
+        rows = None
         if self.num_spec_tokens:
             rows = mamba_get_block_table_tensor(
                 common_attn_metadata.block_table_tensor,
@@ -149,20 +180,32 @@ class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
                 self.kv_cache_spec,
                 self.vllm_config.cache_config.mamba_cache_mode,
             )[:, : 1 + self.num_spec_tokens]
-            q = common_attn_metadata.query_start_loc_cpu[: md.num_decodes + 1]
-            width = int((q[1:] - q[:-1]).max()) if md.num_decodes else 1
-        return Rwkv7StateMetadata(**vars(md), state_rows=rows, decode_width=width)
+        width, bounds = self.host_values(
+            common_attn_metadata.query_start_loc_cpu, md.num_decodes, md.num_prefills, rows is not None
+        )
+        return Rwkv7StateMetadata(**vars(md), state_rows=rows, decode_width=width, prefill_bounds=bounds)
+
+    @staticmethod
+    def host_values(query_start_loc_cpu: torch.Tensor, num_decodes: int, num_prefills: int, speculative: bool):
+        """``(decode_width, prefill_bounds)`` of a step, from vLLM's host copy of the query starts."""
+        q, nd = query_start_loc_cpu, num_decodes
+        width = int((q[1 : nd + 1] - q[:nd]).max()) if speculative and nd else 1
+        bounds = None
+        if num_prefills:
+            starts = q[nd : nd + num_prefills + 1]
+            bounds = tuple((starts - starts[0]).tolist())
+        return width, bounds
 
 
 @dataclass
 class _Batch:
     """How the flat token batch splits into sequences, from the state backend's metadata.
 
-    Decodes come first: request ``i`` has ``1..W`` tokens (``W``: the step's longest decode, at most
-    ``1 + num_speculative_tokens``);
+    Decodes come first: request ``i`` has ``0..W`` tokens (``W``: the step's longest decode, at most
+    ``1 + num_speculative_tokens``; no token: a padding request of a captured batch);
     its stored state is read from row ``decode_src[i]`` and the state after its ``j``-th token is
     written to row ``decode_dst[i, j]``. Everything about decodes is a device tensor (capture-safe);
-    the host values ``starts``/``ends`` exist only for a step with prefills.
+    the one host value beyond the shapes is ``prefill_bounds``, for a step with prefills.
     """
 
     num_tokens: int
@@ -178,11 +221,10 @@ class _Batch:
     decode_computed: torch.Tensor  # [nd] tokens before this step (0: the state starts at zero)
     prefill_slots: torch.Tensor  # [np]
     prefill_computed: torch.Tensor  # [np]
+    prefill_seq_lens: torch.Tensor  # [np] tokens consumed after this step
     prefill_first: torch.Tensor  # [np] flat index of each prefill's first token
     prefill_last: torch.Tensor  # [np] and of its last
-    starts: list[int] | None = None
-    ends: list[int] | None = None
-    prefill_cu: torch.Tensor | None = None  # [num_prefills + 1] prefill starts relative to the first prefill
+    prefill_bounds: tuple[int, ...] | None = None  # [np + 1] host: prefill starts relative to the first prefill
 
     @property
     def decode_fresh(self) -> torch.Tensor:
@@ -196,34 +238,36 @@ class _Batch:
     def width(self) -> int:
         return self.decode_dst.shape[1]
 
-    @property
-    def prefill_start(self) -> int:
-        return self.starts[self.num_decodes] if self.num_prefills else self.num_tokens
-
     @classmethod
-    def from_metadata(cls, md, tokens_state: torch.Tensor) -> _Batch:
+    def from_metadata(cls, md: Rwkv7StateMetadata, tokens_state: torch.Tensor) -> _Batch:
         nd, npf, ndt = md.num_decodes, md.num_prefills, md.num_decode_tokens
         num_reqs = nd + npf
         dev = md.state_indices_tensor.device
         qsl = md.query_start_loc[: num_reqs + 1].to(dev, torch.long)
-        computed = md.seq_lens[:num_reqs].to(dev, torch.long) - (qsl[1:] - qsl[:-1])
-        rows = getattr(md, "state_rows", None)
-        if rows is not None:
+        seq_lens = md.seq_lens[:num_reqs].to(dev, torch.long)
+        computed = seq_lens - (qsl[1:] - qsl[:-1])
+        # vLLM pads a captured decode batch with requests of no tokens and sequence length 0, whose block
+        # table rows are the null block (Bailing's builder hands -1 instead under full graphs): their state
+        # reads and writes go to the null block, which no request owns
+        pad = (seq_lens[:nd] == 0).unsqueeze(1)
+        if md.state_rows is not None:
             # speculation: resume from the row whose state has consumed exactly the tokens before this
             # step (vLLM hands its count of accepted drafts only to hybrid models' backends, so each row
             # records its own count). Every step rewrites rows 0..width-1 (a row without a token gets
             # count -1), so the right row is the first match: a later row can still hold an equal count
             # from a rejected draft or an earlier owner, never an earlier one.
-            rows = rows[:nd].long()
+            rows = torch.where(pad, NULL_BLOCK_ID, md.state_rows[:nd].long())
             matches = tokens_state[rows].view(rows.shape) == computed[:nd].unsqueeze(1)
             src = rows.gather(1, matches.int().argmax(1, keepdim=True)).squeeze(1)
             rows = rows[:, : md.decode_width]
         else:
-            rows = md.state_indices_tensor[:nd].long().unsqueeze(1)
+            rows = torch.where(pad, NULL_BLOCK_ID, md.state_indices_tensor[:nd].long().unsqueeze(1))
             src = rows[:, 0]
         j = torch.arange(rows.shape[1], device=dev)
         tok = qsl[:nd].unsqueeze(1) + j
-        decode_req = torch.searchsorted(qsl[1 : nd + 1], torch.arange(ndt, device=dev), right=True)
+        t = torch.arange(ndt, device=dev)
+        # a token past the last request's (the padding of a captured batch) counts as the last request's
+        decode_req = torch.searchsorted(qsl[1 : nd + 1], t, right=True).clamp(max=max(nd - 1, 0))
         batch = dict(
             num_tokens=ndt + md.num_prefill_tokens,
             num_decodes=nd,
@@ -234,35 +278,15 @@ class _Batch:
             decode_tok=tok.clamp(max=max(ndt - 1, 0)),
             decode_active=tok < qsl[1 : nd + 1].unsqueeze(1),
             decode_req=decode_req,
-            decode_pos=torch.arange(ndt, device=dev) - qsl[decode_req],
+            decode_pos=(t - qsl[decode_req]).clamp(max=rows.shape[1] - 1),
             decode_computed=computed[:nd],
             prefill_slots=md.state_indices_tensor[nd:num_reqs].long(),
             prefill_computed=computed[nd:],
+            prefill_seq_lens=seq_lens[nd:],
             prefill_first=qsl[nd:num_reqs],
             prefill_last=qsl[nd + 1 :] - 1,
         )
-        if npf == 0:  # decodes only: nothing read on the host
-            return cls(**batch)
-        bounds = md.query_start_loc[: num_reqs + 1].tolist()
-        p0 = bounds[nd]
-        return cls(
-            **batch,
-            starts=bounds[:-1],
-            ends=bounds[1:],
-            prefill_cu=torch.tensor([q - p0 for q in bounds[nd:]], dtype=torch.long),
-        )
-
-
-# The step's batch, split once for all layers of a state-cache group (they share one metadata object).
-_step_batch: tuple[object, _Batch] | None = None
-
-
-def _batch_of(md, tokens_state: torch.Tensor) -> _Batch:
-    """``tokens_state``: the calling layer's token counts; every layer of the group writes the same."""
-    global _step_batch
-    if _step_batch is None or _step_batch[0] is not md:
-        _step_batch = (md, _Batch.from_metadata(md, tokens_state))
-    return _step_batch[1]
+        return cls(**batch, prefill_bounds=md.prefill_bounds if npf else None)
 
 
 def _stored(state: torch.Tensor, slots: torch.Tensor, fresh: torch.Tensor) -> torch.Tensor:
@@ -383,7 +407,6 @@ class Rwkv7TimeMix(nn.Module):
             self.v_lora = Rwkv7LoRA(c, config.v_low_rank_dim, True, quant_config, f"{prefix}.v_lora")
         self.g_lora = Rwkv7LoRA(c, config.gate_low_rank_dim, False, quant_config, f"{prefix}.g_lora")
         self.g_norm = Rwkv7GroupNorm(self.num_heads, self.num_heads * n, self.group_norm_eps)
-        self.batched_prefill = True  # False: today's per-sequence loop (kept as the bench's comparison point)
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None, layer_name: str):
         T = x.shape[0]
@@ -472,7 +495,9 @@ class Rwkv7Block(nn.Module, MambaBase):
             md = md.get(self.prefix)
         if md is None or not self.kv_cache:  # dummy/profiling run: one sequence, fresh state, nothing stored
             return None
-        return _batch_of(md, self.kv_cache[3])
+        if md.split is None:  # the step's first state op: every later one reads the same split
+            md.split = _Batch.from_metadata(md, self.kv_cache[3])
+        return md.split
 
     def token_shift(self, x: torch.Tensor, prev: torch.Tensor, state_index: int) -> None:
         batch = self._step()
@@ -482,7 +507,12 @@ class Rwkv7Block(nn.Module, MambaBase):
             return
         shift_state = self.kv_cache[state_index]
         if batch.num_decodes:
-            prev[batch.decode_tok[:, 0]] = _stored(shift_state, batch.decode_src, batch.decode_fresh).to(x.dtype)
+            # a decode's first token takes its stored row: a gather over the decode tokens (a scatter by
+            # request would let a padding request of a captured batch overwrite a real token's row)
+            nt = batch.num_decode_tokens
+            stored = _stored(shift_state, batch.decode_src, batch.decode_fresh).to(x.dtype)
+            first = (batch.decode_pos == 0).unsqueeze(1)
+            prev[:nt] = torch.where(first, stored[batch.decode_req], prev[:nt])
             _store_decodes(shift_state, batch, x[batch.decode_tok])
         if batch.num_prefills:
             slots = batch.prefill_slots
@@ -490,24 +520,23 @@ class Rwkv7Block(nn.Module, MambaBase):
             shift_state[slots] = x[batch.prefill_last].to(shift_state.dtype)
 
     def wkv(self, r, w, k, v, a, b, y: torch.Tensor) -> None:
-        chunk = dispatch.op("rwkv7.wkv_chunk")
         batch = self._step()
         if batch is None:
-            y.copy_(chunk(r, w, k, v, a, b, output_final_state=False)[0])
+            y.copy_(_wkv_chunk(r, w, k, v, a, b, output_final_state=False)[0])
             return
         wkv_state = self.kv_cache[1]
-        nd, n = batch.num_decodes, batch.num_tokens
+        nd, nt, n = batch.num_decodes, batch.num_decode_tokens, batch.num_tokens
         y[n:] = 0  # padding rows
         if nd:
             # token j of every decode in one batched step; under speculation the state after each token
             # is kept in its own row, so the next step starts from the last accepted one
-            step, width = dispatch.op("rwkv7.wkv_step"), batch.width
+            width = batch.width
             rd, wd, kd, vd, ad, bd = (t[batch.decode_tok] for t in (r, w, k, v, a, b))  # [nd, W, H, N]
             state = _stored(wkv_state, batch.decode_src, batch.decode_fresh)
             y_decode = y.new_empty(nd, width, *y.shape[1:])
             states = state.new_empty(nd, width, *state.shape[1:]) if width > 1 else state.unsqueeze(1)
             for j in range(width):
-                y_decode[:, j] = step(rd[:, j], wd[:, j], kd[:, j], vd[:, j], ad[:, j], bd[:, j], state)
+                y_decode[:, j] = _wkv_step(rd[:, j], wd[:, j], kd[:, j], vd[:, j], ad[:, j], bd[:, j], state)
                 if width > 1:
                     states[:, j] = state
             _store_decodes(wkv_state, batch, states)
@@ -515,28 +544,21 @@ class Rwkv7Block(nn.Module, MambaBase):
             j = torch.arange(width, device=y.device)
             tokens = torch.where(batch.decode_active, batch.decode_computed.unsqueeze(1) + j + 1, -1)
             self.kv_cache[3][batch.decode_dst.reshape(-1)] = tokens.reshape(-1, 1)
-            y[: batch.num_decode_tokens] = y_decode[batch.decode_req, batch.decode_pos]
-        if batch.num_prefills and self.attn.batched_prefill:  # every prefill of the step in one call
-            s, slots = batch.prefill_start, batch.prefill_slots
-            y[s:n], final = chunk(
-                r[s:n],
-                w[s:n],
-                k[s:n],
-                v[s:n],
-                a[s:n],
-                b[s:n],
+            y[:nt] = y_decode[batch.decode_req, batch.decode_pos]
+        if batch.num_prefills:  # every prefill of the step in one call
+            slots = batch.prefill_slots
+            y[nt:n], final = _wkv_chunk(
+                r[nt:n],
+                w[nt:n],
+                k[nt:n],
+                v[nt:n],
+                a[nt:n],
+                b[nt:n],
                 _stored(wkv_state, slots, batch.prefill_fresh),
-                cu_seqlens=batch.prefill_cu,
+                cu_seqlens_cpu=batch.prefill_bounds,
             )
             wkv_state[slots] = final
-            self.kv_cache[3][slots] = (batch.prefill_computed + batch.prefill_cu.diff().to(slots.device)).unsqueeze(1)
-        elif batch.num_prefills:
-            for i in range(batch.num_prefills):
-                s, e, slot = batch.starts[nd + i], batch.ends[nd + i], batch.prefill_slots[i : i + 1]
-                initial = _stored(wkv_state, slot, batch.prefill_fresh[i : i + 1])
-                y[s:e], final = chunk(r[s:e], w[s:e], k[s:e], v[s:e], a[s:e], b[s:e], initial)
-                wkv_state[slot] = final
-                self.kv_cache[3][slot] = batch.prefill_computed[i] + (e - s)
+            self.kv_cache[3][slots] = batch.prefill_seq_lens.unsqueeze(1)
 
     def forward(self, x: torch.Tensor, v_first: torch.Tensor | None):
         h = self.pre_norm(x) if self.layer_id == 0 else x
@@ -556,8 +578,6 @@ class Rwkv7Model(nn.Module):
         quant_config = vllm_config.quant_config
         self.config = config
         pp = get_pp_group()
-        if pp.world_size > 1:
-            cpu_patches.enable_cpu_pipeline_receive_buffers()
         if pp.is_first_rank:
             self.embeddings = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embeddings")
@@ -654,8 +674,6 @@ class Rwkv7ForCausalLM(nn.Module, HasInnerState, IsAttentionFree, SupportsPP, Su
         validate_config(config, source=f"{vllm_config.model_config.model}/config.json")
         self.config = config
         self.vllm_config = vllm_config
-        if getattr(vllm_config.cache_config, "mamba_cache_mode", "none") == "align":
-            cpu_patches.enable_cpu_mamba_state_copy()
         self.model = Rwkv7Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         if get_pp_group().is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
