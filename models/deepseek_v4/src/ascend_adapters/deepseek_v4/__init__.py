@@ -51,6 +51,7 @@ def register() -> None:
     d = decide(ARCH, ARCHITECTURES[ARCH], ENABLE_ENV, in_tree_native=_in_tree_native)
     if d.serves != ADAPTER:
         return
+    from ascend_adapters.common import cpu_patches
     from ascend_adapters.deepseek_v4 import policy
     from ascend_adapters.deepseek_v4.config import register_config
 
@@ -58,3 +59,4 @@ def register() -> None:
     register_architectures(ARCHITECTURES)
     register_architectures(DRAFT_ARCHITECTURES)
     policy.install()
+    cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism

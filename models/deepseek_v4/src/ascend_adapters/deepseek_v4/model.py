@@ -31,7 +31,6 @@ from vllm.model_executor.models.utils import (
 )
 from vllm.sequence import IntermediateTensors
 
-from ascend_adapters.common import cpu_patches
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers the portable ops)
 from ascend_adapters.deepseek_v4.attention import DeepseekV4Attention
@@ -197,8 +196,6 @@ class DeepseekV4ForCausalLM(nn.Module, SupportsPP):
         self.hf_to_vllm_mapper = weights_mapper(config)  # + MTP layers past num_hidden_layers
         self.model = DeepseekV4Model(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
         pp = get_pp_group()
-        if pp.world_size > 1:
-            cpu_patches.enable_cpu_pipeline_receive_buffers()
         if pp.is_last_rank:
             self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "lm_head"))
         else:
