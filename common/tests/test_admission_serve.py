@@ -8,9 +8,8 @@ import subprocess
 import sys
 
 import pytest
-from test_admission_support import copy_artifact, make_float_single, tree_digest
+from test_admission_support import copy_artifact, make_float_single, manifested, tree_digest
 
-from ascend_adapters.common.admission import build_manifest, dump_manifest
 from ascend_adapters.common.admission.hook import EXIT_CODE, MANIFEST_ENV
 from ascend_adapters.common.server import ServerStartError, VllmServer
 
@@ -21,11 +20,7 @@ pytestmark = pytest.mark.vllm
 def tiny(tmp_path_factory):
     root = tmp_path_factory.mktemp("admission-serve")
     d = make_float_single(root / "tiny")
-    manifest, report = build_manifest(d, progress=False)
-    assert manifest is not None, report.format()
-    mpath = root / "tiny.manifest.json"
-    dump_manifest(manifest, mpath)
-    return d, mpath
+    return d, manifested(d, root / "tiny.manifest.json")[1]
 
 
 def _flip(path, offset: int) -> None:

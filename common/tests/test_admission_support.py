@@ -182,3 +182,13 @@ def build_templates(root: Path, names=None) -> dict[str, tuple[Path, dict]]:
         assert manifest is not None, report.format()
         out[name] = (d, manifest)
     return out
+
+
+def manifested(model_dir: Path, manifest_path: Path):
+    """``model_dir``'s manifest, built (it must pass) and written to ``manifest_path``: (manifest, path)."""
+    from ascend_adapters.common.admission import build_manifest, dump_manifest
+
+    manifest, report = build_manifest(model_dir, progress=False)
+    assert manifest is not None, report.format()
+    dump_manifest(manifest, manifest_path)
+    return manifest, manifest_path

@@ -39,6 +39,28 @@ def _parents(current: type | None, base: type | None) -> tuple[type, ...]:
     return tuple(found) or (VerifyAndUpdateConfig,)
 
 
+REFUSAL_PREFIX = "ascend-adapters REFUSED the start-up:"
+
+
+def refusal_line(exc: BaseException) -> str:
+    """One line for a start-up refusal: the exception's message with its lines joined."""
+    text = " ".join(part.strip() for part in str(exc).splitlines() if part.strip()) or type(exc).__name__
+    return f"{REFUSAL_PREFIX} {text}"
+
+
+def _refusing(check: Callable, config) -> None:
+    """Run an adapter's check; a refusal is written to stderr in one line before it propagates, because vLLM
+    reports it at the bottom of its own traceback (about 18 frames in ``vllm serve``)."""
+    import sys
+
+    try:
+        check(config)
+    except Exception as exc:
+        sys.stderr.write(refusal_line(exc) + "\n")
+        sys.stderr.flush()
+        raise
+
+
 def policy_class(
     current: type | None,
     check: Callable,
@@ -59,16 +81,16 @@ def policy_class(
             for parent in parents:
                 parent.verify_and_update_model_config(model_config)
             if check_model is not None:
-                check_model(model_config)
+                _refusing(check_model, model_config)
 
         @classmethod
         def verify_and_update_config(cls, vllm_config) -> None:
             if before_parents:
-                check(vllm_config)
+                _refusing(check, vllm_config)
             for parent in parents:
                 parent.verify_and_update_config(vllm_config)
             if not before_parents:
-                check(vllm_config)
+                _refusing(check, vllm_config)
 
     setattr(Policy, _MARKER, key)
     Policy.__name__ = Policy.__qualname__ = name

@@ -320,6 +320,33 @@ def check_dir(
     return report
 
 
+def _report_missing_files(report: Report, manifest: Mapping, missing: set[str]) -> None:
+    """One ``file-missing`` line per declared file that is not on disk, with the number of declared tensors
+    it held (those tensors are not listed one by one: a lost shard of a large checkpoint held thousands) and
+    the index that references it (inspection's ``index-shard-missing`` line for it is folded in here)."""
+    if not missing:
+        return
+    held: dict[str, int] = {}
+    for t in manifest["tensors"]:
+        held[t["file"]] = held.get(t["file"], 0) + 1
+    indexed: dict[str, str] = {}
+    kept = []
+    for p in report.problems:
+        if p.code == "index-shard-missing" and p.where in missing:
+            indexed[p.where] = p.message.removesuffix(" but not on disk")
+        else:
+            kept.append(p)
+    report.problems[:] = kept
+    for rel in sorted(missing):
+        message = "declared in the manifest, not in the directory"
+        n = held.get(rel, 0)
+        if n:
+            message += f"; it held {n} declared tensor{'s' if n != 1 else ''}"
+        if rel in indexed:
+            message += f"; {indexed[rel]}"
+        report.error("file-missing", rel, message)
+
+
 def _check_dir(report, model_dir, manifest, verify_hashes, software, jobs, progress, installed) -> None:
     if not isinstance(manifest, Mapping):
         manifest = load_manifest(manifest, report)
@@ -336,8 +363,8 @@ def _check_dir(report, model_dir, manifest, verify_hashes, software, jobs, progr
         report.error("manifest-id", "manifest.artifact.id", "does not match the declared files (edited manifest?)")
 
     declared = {f["path"]: f for f in manifest["files"]}
-    for rel in sorted(set(declared) - set(insp.files)):
-        report.error("file-missing", rel, "declared in the manifest, not in the directory")
+    missing = set(declared) - set(insp.files)
+    _report_missing_files(report, manifest, missing)
     for rel in sorted(set(insp.files) - set(declared)):
         kind = "safetensors shard" if rel.endswith(".safetensors") else "file"
         report.error("file-undeclared", rel, f"{kind} on disk but not in the manifest")
@@ -353,6 +380,8 @@ def _check_dir(report, model_dir, manifest, verify_hashes, software, jobs, progr
     want_t = {t["name"]: t for t in manifest["tensors"]}
     for name in sorted(set(want_t) - set(insp.tensors)):
         shard = want_t[name]["file"]
+        if shard in missing:
+            continue  # counted on the file's one file-missing line
         if shard in insp.headers or shard not in insp.files:
             report.error("tensor-missing", f"{shard}:{name}", "declared tensor not found")
     for name in sorted(set(insp.tensors) - set(want_t)):

@@ -16,7 +16,9 @@ A process that passed the full check exports a marker (manifest digest +
 directory) to the processes vLLM starts later (model inspection, engine core,
 workers); they re-run the cheap structural checks but do not hash again.
 
-On failure the report goes to stderr and the process exits non-zero.
+On failure the process exits non-zero (``EXIT_CODE``) after writing to stderr one line that names the
+culprit (``ascend-adapters admission REFUSED the model (...): [code] where: why``), then, when there is
+more than one problem, the full report.
 """
 
 from __future__ import annotations
@@ -98,10 +100,29 @@ def _model_from_engine_args() -> str | None:
     return None
 
 
-def _fail(message: str) -> None:
-    sys.stderr.write(f"ascend-adapters admission REFUSED the model ({MANIFEST_ENV} is set):\n{message}\n")
+def refusal_line(culprit: str, more: int = 0) -> str:
+    """The first line of a serve-time refusal: one line naming the culprit (file, tensor or field), so that it
+    reads on its own above whatever vLLM prints after it."""
+    extra = f" (+{more} more problem(s), listed below)" if more else ""
+    return f"ascend-adapters admission REFUSED the model ({MANIFEST_ENV} is set): {culprit}{extra}"
+
+
+def _fail(message: str, culprit: str | None = None, more: int = 0) -> None:
+    """Refuse: one line naming ``culprit`` (default: ``message``'s first line), then the rest of the
+    report, to stderr; exit with ``EXIT_CODE``."""
+    lines = message.strip("\n").splitlines()
+    if culprit is None:
+        culprit, lines = (lines[0].strip().removeprefix("ERROR ") if lines else "refused"), lines[1:]
+    body = "".join(f"{line}\n" for line in lines)
+    sys.stderr.write(f"{refusal_line(culprit, more)}\n{body}")
     sys.stderr.flush()
     raise SystemExit(EXIT_CODE)
+
+
+def _fail_report(report) -> None:
+    errors = report.errors
+    culprit = str(errors[0]).removeprefix("ERROR ") if errors else report.summary_line()
+    _fail(report.format() if len(errors) > 1 else "", culprit, more=len(errors) - 1)
 
 
 def admit_from_env() -> None:
@@ -160,7 +181,7 @@ def admit_from_env() -> None:
         sys.stderr.flush()
     report = check_dir(real, manifest_path, verify_hashes=hashes, progress=False)
     if not report.ok:
-        _fail(report.format())
+        _fail_report(report)
         return
     _admitted = (digest, real)
     if quick:
