@@ -23,10 +23,11 @@ def test_host_read_detector_fires_inside_custom_ops():
     with mode:
         torch.ops.vllm.ascend_adapters_test_reads_on_host(torch.tensor([0.0, 3.0]), torch.empty(2))
         torch.tensor([1, 2]).tolist()
+        torch.tensor([1, 2]).numpy()
     assert torch.Tensor.tolist is tolist  # restored
     assert mode.custom_ops == ["vllm.ascend_adapters_test_reads_on_host.default"]
-    assert sorted(mode.seen) == ["Tensor.tolist", "aten.index.Tensor", "aten.item.default"], mode.seen
-    assert mode.outside == ["Tensor.tolist"]  # the other two were inside the registered op
+    assert sorted(mode.seen) == ["Tensor.numpy", "Tensor.tolist", "aten.index.Tensor", "aten.item.default"], mode.seen
+    assert mode.outside == ["Tensor.tolist", "Tensor.numpy"]  # the other two were inside the registered op
     assert mode.inside == {
         "vllm.ascend_adapters_test_reads_on_host.default": ["aten.item.default", "aten.index.Tensor"]
     }

@@ -115,19 +115,43 @@ def random_prompts(lengths, seed: int = 1, vocab: int = 512) -> list[list[int]]:
     return [torch.randint(1, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def step_metadata(query_lens: list[int], seq_lens: list[int], decode_query_max: int = 1):
-    """The metadata of a step of requests r (blocks 2r+1, 2r+2; block 0 is the null block) with
-    ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]`` (backend.step_metadata)."""
-    from ascend_adapters.glm_dsa.backend import step_metadata as build
+def common_metadata(
+    query_lens: list[int], seq_lens: list[int], blocks_per_request: int = 2, block_table: torch.Tensor | None = None
+):
+    """vLLM's common attention metadata of a step of requests r (16 tokens a block; unless ``block_table``
+    is given, request r has blocks ``r * blocks_per_request + 1`` on, block 0 being the null block) with
+    ``query_lens[r]`` new tokens ending a context of ``seq_lens[r]``, its host copies filled as the engines
+    fill them (``seq_lens_cpu_upper_bound`` exact)."""
+    from vllm.v1.attention.backend import CommonAttentionMetadata
 
-    qsl = [0]
-    for q in query_lens:
-        qsl.append(qsl[-1] + q)
-    block_table = torch.tensor([[2 * r + 1, 2 * r + 2] for r in range(len(query_lens))], dtype=torch.int32)
+    n, b = len(query_lens), blocks_per_request
+    qsl = torch.tensor([0, *query_lens], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    lens = torch.tensor(seq_lens, dtype=torch.int32)
+    if block_table is None:
+        block_table = (torch.arange(n * b, dtype=torch.int32) + 1).view(n, b)
     slots = torch.cat(
         [
             block_table[r, torch.arange(s - q, s) // 16].long() * 16 + torch.arange(s - q, s) % 16
             for r, (q, s) in enumerate(zip(query_lens, seq_lens))
         ]
     )
-    return build(qsl, list(seq_lens), block_table, slots, 16, decode_query_max)
+    return CommonAttentionMetadata(
+        query_start_loc=qsl,
+        query_start_loc_cpu=qsl.clone(),
+        seq_lens=lens,
+        seq_lens_cpu_upper_bound=lens.clone(),
+        num_reqs=n,
+        num_actual_tokens=int(qsl[-1]),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_table_tensor=block_table,
+        slot_mapping=slots,
+    )
+
+
+def step_metadata(query_lens: list[int], seq_lens: list[int], decode_query_max: int = 1, blocks_per_request: int = 2):
+    """The adapter's metadata of that step (``backend.step_metadata``, as its builder makes it when vLLM
+    treats requests of up to ``decode_query_max`` query tokens as decodes)."""
+    from ascend_adapters.glm_dsa.backend import step_metadata as build
+
+    return build(common_metadata(query_lens, seq_lens, blocks_per_request), decode_query_max, 16)

@@ -12,8 +12,8 @@ prefill chunk) run the model forward under a dispatch mode that records every op
 device value on the host or has a data-dependent output shape (PyTorch tags those ops), looking
 inside the registered attention op as well, once on the portable kernels and once on the NPU
 implementations through the torch_npu contract emulator (each torch_npu call one device kernel).
-The attention builder declares no full-graph support (``AttentionCGSupport.NEVER``, see backend.py);
-what the pieces around it and the op itself do is what this test proves.
+The attention builder declares uniform batches capturable (``AttentionCGSupport.UNIFORM_BATCH``, see
+backend.py); test_glm_dsa_graph captures a decode and an MTP verification step and replays them.
 """
 
 from __future__ import annotations

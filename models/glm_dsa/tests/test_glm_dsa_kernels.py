@@ -69,7 +69,7 @@ def test_batched_decodes_equal_single_requests():
     lengths = torch.tensor([5, 37, 100])
     perm = torch.randperm(nblocks, generator=g)
     table = torch.stack([perm[0:8], perm[8:16], perm[16:24]])
-    slots, valid = context_slots(table, lengths, block)
+    slots, valid = context_slots(table, lengths, int(lengths.max()), block)
     _, w_kv_b, q = _case(h=h, t=3, dtype=torch.float32)
     w_uk_t, _ = kernels.absorb_kv_b(w_kv_b, h, NOPE, V)
     q_lat = kernels.absorb_query(q[..., :NOPE], w_uk_t)

@@ -58,7 +58,8 @@ def breaks_capture(func, args) -> bool:
 class HostReads(TorchDispatchMode):
     """Records every op tagged as reading a device value on the host (``item``, ``_local_scalar_dense``,
     ``equal``, ...) or as having a data-dependent output shape (``nonzero``, ``unique``,
-    ``masked_select``, ...), and ``Tensor.tolist`` (a Python-level copy that dispatches no op).
+    ``masked_select``, ...), and ``Tensor.tolist`` / ``Tensor.numpy`` (Python-level copies that dispatch
+    no op).
 
     A dispatch mode sees a registered custom op as one call and does not see inside it; an op
     registered in Python (namespace ``vllm``: the model's attention op, vLLM's own layer ops) is run
@@ -89,24 +90,31 @@ class HostReads(TorchDispatchMode):
         finally:
             self._in_kernel -= 1
 
+    # Python-level copies to the host that dispatch no op
+    HOST_COPIES = ("tolist", "numpy")
+
     def __enter__(self):
-        # entered again for each registered op's body: Tensor.tolist is wrapped by the outermost entry only
+        # entered again for each registered op's body: the host copies are wrapped by the outermost entry only
         self._depth = getattr(self, "_depth", 0) + 1
         if self._depth == 1:
             HostReads._active.append(self)
-            self._tolist = tolist = torch.Tensor.tolist
-
-            def recording_tolist(t, *args, **kwargs):
-                self._record("Tensor.tolist")
-                return tolist(t, *args, **kwargs)
-
-            torch.Tensor.tolist = recording_tolist
+            self._host_copies = {name: getattr(torch.Tensor, name) for name in self.HOST_COPIES}
+            for name, method in self._host_copies.items():
+                setattr(torch.Tensor, name, self._recording(name, method))
         return super().__enter__()
+
+    def _recording(self, name: str, method):
+        def call(t, *args, **kwargs):
+            self._record(f"Tensor.{name}")
+            return method(t, *args, **kwargs)
+
+        return call
 
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            torch.Tensor.tolist = self._tolist
+            for name, method in self._host_copies.items():
+                setattr(torch.Tensor, name, method)
             HostReads._active.remove(self)
         return super().__exit__(*exc)
 
@@ -210,4 +218,7 @@ def capture_step(step: Callable, *inputs: torch.Tensor) -> Callable:
     ``.tolist()``) fails the capture, as it fails a device graph's."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
-    return make_fx(step, decomposition_table=_registered_op_bodies(), tracing_mode="real")(*inputs)
+    # vLLM runs some of its layers' native forwards through torch.compile (e.g. SiluAndMul): traced here by
+    # inlining them, as a device graph records what they launch
+    with torch._dynamo.config.patch(error_on_nested_fx_trace=False):
+        return make_fx(step, decomposition_table=_registered_op_bodies(), tracing_mode="real")(*inputs)

@@ -15,9 +15,12 @@ multi-head attention): the same model, kept as the portable reference for the
 unit tests and the benchmark.
 
 Layouts: ``N`` groups of ``S`` queries that share one set of ``K`` candidate
-rows (a prefilling request: N=1, S=its tokens, K=its context; a batch of
-decodes: N=decodes, S=1, K=the rows each one reads), H heads, R =
-kv_lora_rank, P = rope dim.
+rows (a prefill chunk: N=1, S=its tokens, K=its request's context; the
+step's decode tokens: N=tokens, S=1, K=the context width of the step; the
+sparse attention of every token of a step: N=tokens, S=1, K=the rows each one
+selected), H heads, R = kv_lora_rank, P = rope dim. Every shape comes from
+the step's token and request counts and host integers of its metadata, never
+from a device value, so a decode step replays as a captured graph.
 
 * ``common.rope_interleaved`` (common's): interleaved ("GPT-J") rotary embedding
   of the rope slice, ``x [T, H, R]`` with ``cos``/``sin`` ``[T, R/2]``. The pairs stay
@@ -25,8 +28,9 @@ kv_lora_rank, P = rope dim.
   same dot products because queries and keys are permuted alike.
 * ``glm_dsa.cache_write`` / ``glm_dsa.cache_gather`` / ``glm_dsa.cache_rows``:
   the paged cache ``[blocks, block_size, C]``; write rows at slots, read one
-  request's first ``length`` rows, or read rows at any ``[..]`` slot tensor (the
-  sparse attention's gather; NPU twin ``npu_gather_sparse_index``).
+  request's first ``length`` rows (a prefill chunk's context), or read rows at
+  any ``[..]`` slot tensor (the decodes' contexts and the sparse attention's
+  gather of the selected rows; NPU twin ``npu_gather_sparse_index``).
 * ``glm_dsa.indexer_topk``: lightning-indexer scores and the top-k context
   positions per query among its valid (causal) keys, ``-1`` where a query has
   fewer than ``topk`` valid keys.

@@ -16,9 +16,12 @@ cache is never re-expanded. Each query attends either to all previous tokens
 (dense path: exact while every context is at most ``index_topk``) or only to
 the ``index_topk`` rows the lightning indexer selects, gathered from the paged
 cache (portable sparse path); "shared" layers reuse the previous full layer's
-selection. A step's decodes are attended in one batched call, each prefill
-chunk in one call over its request's rows. See ``config.py`` for how the path
-is chosen.
+selection. A step's decodes (and a speculative step's 1 + k tokens per request)
+are one batched pass, their requests and contexts derived on the device from
+vLLM's metadata tensors, so a decode step can be captured as a graph (see
+``backend.py``); a prefill chunk selects over its request's rows in a call of
+its own, and on the sparse path every token then attends its selected rows in
+one call. See ``config.py`` for how the path is chosen.
 
 Compilation (vLLM's ``@support_torch_compile`` on ``GlmDsaModel``): the cache
 write and the attention over the cache are one registered custom op that writes
@@ -61,7 +64,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 from ascend_adapters.common import compat, cpu_patches, dispatch
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
-from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend
+from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend, decode_context, selected_slots, token_requests
 from ascend_adapters.glm_dsa.config import (
     AttentionMode,
     GlmDsaConfigError,
@@ -117,8 +120,9 @@ def glm_dsa_attention(
     layer_name: str,
 ) -> None:
     """``out`` ([T, H, kv_lora_rank]): the latent attention output of every token of the step (see
-    ``GlmDsaAttention.attend``). Reads the step's metadata and the paged cache on the host, so it is
-    a splitting op (the hook module's ``SPLITTING_OPS``): vLLM runs it eagerly between compiled graph pieces."""
+    ``GlmDsaAttention.attend``). Reads the step's metadata from the forward context and the layer's paged
+    cache, so it is a splitting op (the hook module's ``SPLITTING_OPS``): vLLM runs it eagerly between
+    compiled graph pieces, and a captured decode step holds its body."""
     get_forward_context().no_compile_layers[layer_name].attend(q_lat, q_pe, rows, q_idx, w_idx, selection, out)
 
 
@@ -345,25 +349,48 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         return self._output(out), selection
 
     def attend(self, q_lat, q_pe, rows, q_idx, w_idx, selection, out) -> None:
-        """The body of ``vllm::glm_dsa_attention``: cache the step's latent rows, then attend every
-        decode token (one per request, or the 1 + k of a speculative step) in one call and each prefill
-        chunk over its request's rows, writing ``out`` (and, in a layer with an indexer, its top-k into
-        ``selection``; ``forward`` passes none on the dense path)."""
+        """The body of ``vllm::glm_dsa_attention``: cache the step's latent rows, then attend, writing ``out``
+        (and, in a layer with an indexer, its top-k into ``selection``; ``forward`` passes none on the dense
+        path). The step's decodes (one query token per request, or the 1 + k of a speculative step) are one
+        batched call, their requests and contexts derived on the device (``backend.decode_context``); each
+        prefill chunk selects over its request's rows in a call of its own. On the sparse path every token
+        of the step then attends its selected rows in one call."""
         md = get_forward_context().attn_metadata
         if isinstance(md, dict):
             md = md.get(self.layer_name)
         if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run: nothing cached yet
             return
         dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
-        if md.decode_tokens.numel():
-            self._decodes(md, q_lat, q_pe, q_idx, w_idx, out, selection)
-        for r, qs, qe, length in md.prefills:
-            self._prefill(md.block_table[r], qs, qe, length, q_lat, q_pe, q_idx, w_idx, out, selection)
+        if self.mode is AttentionMode.DENSE:
+            self._dense(md, q_lat, q_pe, out)
+            return
+        if self.indexer is not None:
+            self._select_step(md, q_idx, w_idx, selection)
+        self._sparse(md, q_lat, q_pe, selection, out)
 
     def _output(self, out_lat: torch.Tensor) -> torch.Tensor:
         """``W_UV`` on the latent attention output, then ``o_proj``."""
         out = kernels.expand_output(out_lat, self.w_uv)  # [T, H, v]
         return self.o_proj(out.reshape(out.shape[0], -1))[0]
+
+    def _prefill_context(self, md, r: int, qs: int, qe: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A prefill chunk's (request ``r``, tokens ``qs:qe``) context rows ``[width, C]`` and each token's
+        causal mask over them ``[S, width]``: token ``t`` sees its sequence less the ``qe - 1 - t`` after it."""
+        ctx = dispatch.op("glm_dsa.cache_gather")(self.kv_cache, md.block_table[r], width)
+        lengths = md.seq_lens[r] - qe + 1 + torch.arange(qs, qe, device=ctx.device)
+        return ctx, torch.arange(width, device=ctx.device)[None, :] < lengths[:, None]
+
+    def _dense(self, md, q_lat, q_pe, out) -> None:
+        """Every decode token over its whole context in one call; each prefill chunk over its request's rows."""
+        attend = dispatch.op("glm_dsa.latent_attention")
+        d = md.num_decode_tokens
+        if d:
+            slots, valid = decode_context(md, self.block_size)
+            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [D, W, C]
+            out[:d] = attend(q_lat[:d, None], q_pe[:d, None], rows, valid[:, None], self.scaling)[:, 0]
+        for r, qs, qe, width in md.prefills:
+            ctx, causal = self._prefill_context(md, r, qs, qe, width)
+            out[qs:qe] = attend(q_lat[None, qs:qe], q_pe[None, qs:qe], ctx[None], causal[None], self.scaling)[0]
 
     def _select(self, q_idx, w_idx, keys, valid) -> torch.Tensor:
         """Top-k context positions ``[N, S, index_topk]`` (``-1`` = none) from this layer's indexer."""
@@ -374,40 +401,32 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             top = torch.nn.functional.pad(top, (0, self.index_topk - top.shape[-1]), value=-1)
         return top
 
-    def _decodes(self, md, q_lat, q_pe, q_idx, w_idx, out, selection) -> None:
-        """Every decode of the step in one call; sparse: only the selected rows are read."""
-        tok = md.decode_tokens
-        slots, valid = md.decode_slots, md.decode_valid
-        if self.mode is AttentionMode.DENSE:
-            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [D, L, C]
-            mask = valid
-        else:
-            if self.indexer is not None:
-                keys = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)[..., self.kv_lora_rank + self.rope_dim :]
-                top = self._select(q_idx[tok][:, None], w_idx[tok][:, None], keys, valid[:, None])[:, 0]
-                selection[tok] = top
-            else:
-                top = selection[tok]  # [D, topk]
-            mask = top >= 0
-            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots.gather(1, top.clamp(min=0)))  # [D, k, C]
-        attend = dispatch.op("glm_dsa.latent_attention")
-        out[tok] = attend(q_lat[tok][:, None], q_pe[tok][:, None], rows, mask[:, None], self.scaling)[:, 0]
+    def _select_step(self, md, q_idx, w_idx, selection) -> None:
+        """The indexer's top-k of every token into ``selection``: the decodes in one call over their contexts'
+        indexer keys, each prefill chunk over its request's."""
+        index_keys = slice(self.kv_lora_rank + self.rope_dim, None)
+        d = md.num_decode_tokens
+        if d:
+            slots, valid = decode_context(md, self.block_size)
+            keys = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)[..., index_keys]  # [D, W, Di]
+            selection[:d] = self._select(q_idx[:d, None], w_idx[:d, None], keys, valid[:, None])[:, 0]
+        for r, qs, qe, width in md.prefills:
+            ctx, causal = self._prefill_context(md, r, qs, qe, width)
+            selection[qs:qe] = self._select(
+                q_idx[None, qs:qe], w_idx[None, qs:qe], ctx[None, :, index_keys], causal[None]
+            )[0]
 
-    def _prefill(self, block_row, qs, qe, length, q_lat, q_pe, q_idx, w_idx, out, selection) -> None:
-        """One request with several query tokens (a prefill chunk) over its context rows."""
-        ctx = dispatch.op("glm_dsa.cache_gather")(self.kv_cache, block_row, length)  # [L, C]
-        q_pos = torch.arange(length - (qe - qs), length, device=ctx.device)
-        mask = torch.arange(length, device=ctx.device)[None, :] <= q_pos[:, None]  # [S, L]
-        if self.mode is AttentionMode.SPARSE:
-            if self.indexer is not None:
-                keys = ctx[None, :, self.kv_lora_rank + self.rope_dim :]
-                selection[qs:qe] = self._select(q_idx[None, qs:qe], w_idx[None, qs:qe], keys, mask[None])[0]
-            top = selection[qs:qe]
-            chosen = torch.zeros(qe - qs, length + 1, dtype=torch.bool, device=ctx.device)
-            chosen.scatter_(1, torch.where(top >= 0, top, length), True)
-            mask = chosen[:, :length] & mask
+    def _sparse(self, md, q_lat, q_pe, selection, out) -> None:
+        """Every token of the step in one call over the rows it selected, gathered from the paged cache (no
+        other row is read). A token selects at most ``min(index_topk, its context)`` rows, first in its
+        selection (``-1`` after them), so ``context_width`` columns hold them all."""
+        n = md.num_attended_tokens
+        top = selection[:n, : min(self.index_topk, md.context_width)]
+        req = token_requests(md, n, md.num_reqs)
+        slots = selected_slots(md.block_table[req], top, self.block_size)
+        rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [T, k, C]
         attend = dispatch.op("glm_dsa.latent_attention")
-        out[qs:qe] = attend(q_lat[None, qs:qe], q_pe[None, qs:qe], ctx[None], mask[None], self.scaling)[0]
+        out[:n] = attend(q_lat[:n, None], q_pe[:n, None], rows, (top >= 0)[:, None], self.scaling)[:, 0]
 
     def absorb_weights(self) -> None:
         """Split ``kv_b_proj`` into ``W_UK`` / ``W_UV`` (see kernels.absorb_kv_b). Called at the end of
