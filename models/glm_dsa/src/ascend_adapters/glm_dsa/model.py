@@ -40,7 +40,7 @@ from itertools import islice
 import torch
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
@@ -61,7 +61,8 @@ from vllm.model_executor.models.utils import PPMissingLayer, extract_layer_index
 from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
-from ascend_adapters.common import compat, cpu_patches, dispatch
+from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.attention_backend import register_layer
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend, decode_context, selected_slots, token_requests
@@ -279,10 +280,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         self.block_size = cache_config.block_size
         self.cache_dtype = torch.get_default_dtype()
         self.kv_cache = torch.tensor([])
-        ctx = get_current_vllm_config().compilation_config.static_forward_context
-        if self.layer_name in ctx:
-            raise ValueError(f"Duplicate layer name: {self.layer_name}")
-        ctx[self.layer_name] = self
+        register_layer(self.layer_name, self)
 
     # -- AttentionLayerBase -------------------------------------------------
     def get_attn_backend(self):
@@ -298,8 +296,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        # [blocks, 1, block_size, C] -> [blocks, block_size, C]
-        self.kv_cache = kv_cache.squeeze(1) if kv_cache.dim() == 4 else kv_cache
+        self.kv_cache = compat.latent_layer_cache(kv_cache)
 
     # -- forward ------------------------------------------------------------
     def forward(
@@ -589,10 +586,7 @@ class GlmDsaModel(nn.Module):
                 require_field(config, name)
         if config.hidden_act != "silu":
             raise GlmDsaConfigError(f"config.json hidden_act={config.hidden_act!r}: only silu is supported")
-        cpu_patches.enable_cpu_float_moe_on_amx()
         pp = get_pp_group()
-        if pp.world_size > 1:
-            cpu_patches.enable_cpu_pipeline_receive_buffers()
         if pp.is_first_rank or (getattr(config, "tie_word_embeddings", False) and pp.is_last_rank):
             self.embed_tokens = VocabParallelEmbedding(
                 config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "embed_tokens")

@@ -57,7 +57,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from vllm.compilation.decorators import support_torch_compile
-from vllm.config import VllmConfig, get_current_vllm_config
+from vllm.config import VllmConfig
 from vllm.distributed import (
     get_pp_group,
     get_tensor_model_parallel_rank,
@@ -97,6 +97,7 @@ from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, mamba_get_block_table_tensor
 
 from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common.attention_backend import register_layer
 from ascend_adapters.common.loading import load_checkpoint
 from ascend_adapters.rwkv7 import kernels  # noqa: F401  (registers the kernel ops)
 from ascend_adapters.rwkv7.config import check_checkpoint_dir, validate_config
@@ -469,10 +470,7 @@ class Rwkv7Block(nn.Module, MambaBase):
         self.attn = Rwkv7TimeMix(config, layer_id, quant_config, f"{prefix}.attn")
         self.ffn = Rwkv7ChannelMix(config, quant_config, f"{prefix}.ffn")
         self.kv_cache = ()
-        compilation_config = get_current_vllm_config().compilation_config
-        if prefix in compilation_config.static_forward_context:
-            raise ValueError(f"Duplicate layer name: {prefix}")
-        compilation_config.static_forward_context[prefix] = self
+        register_layer(prefix, self)
 
     # --- vLLM state-layer interface
     @property
