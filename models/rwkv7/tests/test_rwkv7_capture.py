@@ -29,11 +29,13 @@ state backend's builder declares ``UNIFORM_BATCH``; these tests are that claim:
 from __future__ import annotations
 
 import itertools
+import time
 
 import pytest
 import torch
 from _rwkv7_cases import build_inprocess_model, step_metadata, with_tensors
 
+from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.capture import HostReads, capture_step
 
 pytestmark = pytest.mark.vllm
@@ -254,12 +256,28 @@ def _launches(cfg, model, batch: int, width: int) -> HostReads:
     return mode
 
 
+@pytest.mark.gate
 @pytest.mark.parametrize("width", [1, 1 + DRAFTS], ids=["decode", "verify"])
-def test_step_ops_do_not_grow_with_the_batch(inprocess_model, width):
+def test_step_ops_do_not_grow_with_the_batch(inprocess_model, width, evidence_root):
     cfg, model = inprocess_model
+    name = "decode" if width == 1 else "verify"
+    rec = EvidenceRecord(model="rwkv7", gate=f"{name}_step_ops", started=time.time())
+    rec.command(
+        f"in process: the tiny checkpoint's model forward (float32, portable kernels) over one {name} step "
+        f"({width} token(s) per request) under testing.capture.HostReads, at 1 and 16 requests"
+    )
     one, sixteen = _launches(cfg, model, 1, width), _launches(cfg, model, 16, width)
-    assert one.seen == [] and sixteen.seen == [], (one.seen, sixteen.seen)
-    assert sixteen.launches <= 1.25 * one.launches, (one.launches, sixteen.launches)
+    for batch, mode in ((1, one), (16, sixteen)):
+        rec.metric(f"ops_batch_{batch}", mode.launches)
+        rec.check(f"batch {batch}: no device value read on the host", mode.seen == [], mode.seen[:5])
+    rec.metric("ops_ratio_16_over_1", round(sixteen.launches / one.launches, 4))
+    rec.check(
+        "ops at batch 16 <= 1.25 x ops at batch 1",
+        sixteen.launches <= 1.25 * one.launches,
+        {"1": one.launches, "16": sixteen.launches},
+    )
+    rec.write(evidence_root)
+    assert rec.passed, rec.checks
 
 
 def test_step_with_prefills_reads_no_device_value_on_host(inprocess_model):
