@@ -8,20 +8,20 @@ vLLM-native model of the same hidden size served by the same engine in the same 
 Target: for each adapter, (tokens/s at batch 32 / tokens/s at batch 1) >= 0.8 x the same ratio of its native
 peer (``TARGET``): a decode step whose host work grows with the batch (a Python loop over requests, a host read
 per request) loses what batching buys, and the peer, whose step is one batched pass, shows what it buys on this
-CPU. One evidence record per adapter and width: ``<model>/bench-decode-scaling-<width>.json``, with the load
-average before each engine, the CPU's ISA, every width of both checkpoints, each rate and the target check.
-Exit 1 when a target is missed.
+CPU. One evidence record per adapter and width: ``<model>/bench-decode-scaling-<width>.json`` (``-compiled``,
+``-bf16`` appended for ``--compiled``, ``--dtype bfloat16``), with the load average before each engine, the
+CPU's ISA, every width of both checkpoints, each rate and the target check. Exit 1 when a target is missed.
 
 Checkpoints (random weights, nothing downloaded):
   * ``tiny``: each adapter's ``tiny.make_tiny`` as it is (RWKV-7: 2 layers, C=64; GLM-DSA: 3 layers, hidden 128,
     8 experts; DeepSeek-V4: 4 layers, hidden 128, 8 experts), every branch exercised at the bench's contexts.
-  * ``real``: a 2-layer slice at the published widths (``REAL``): RWKV-7 1.5B (C=2048, head 64, FFN 8192,
-    LoRA ranks of BlinkDL's x070 formulas for C=2048: decay/a 96, v 64, gate 256), GLM-5
+  * ``real``: a 2-layer slice at the published widths (``RWKV7_15B``, ``GLM5``, ``FLASH_FIELDS``): RWKV-7 1.5B
+    (C=2048, head 64, FFN 8192, LoRA ranks of BlinkDL's x070 formulas for C=2048: decay/a 96, v 64, gate 256), GLM-5
     (docs/references.md#glm5-shape: hidden 6144, 64 heads, q_lora 2048, kv_lora 512, qk 192 + 64, v 256,
     indexer 32 x 128, dense layer 12288, experts 2048 wide, top-8 + 1 shared; layer 0 dense, layer 1 MoE)
     and DeepSeek-V4-Flash (``deepseek_v4.memory.flash_config``: hidden 4096, 64 heads, head 512, q_lora 1024,
     o_groups 8 x o_lora 1024, hc_mult 4, CSA rate 4 and HCA rate 128, window 128, indexer 64 x 128, experts
-    2048 wide, top-6 + 1 shared; one CSA layer, one HCA layer). Not published widths: 16 routed experts
+    2048 wide, top-6 + 1 shared; one CSA layer, one HCA layer). Not published (``SLICE``): 16 routed experts
     (256 published: at batch 32 every one of the 16 is active, of 256 about 150, so expert weight reads grow
     less with the batch here than at full size), a 4096-token vocabulary (the LM head of a 2-layer slice would
     otherwise weigh like the layers), and ``index_topk`` 16 (GLM-5: 2048) and 8 (DeepSeek-V4: 512) so that the
@@ -41,8 +41,9 @@ random tokens each (different tokens, equal length) are added to the engine at o
 the engine is stepped (``LLMEngine.step``) until every request has its first token and ``WARM_STEPS`` more,
 then timed from there until every request has ``--steps`` more tokens. Decode tokens/s = batch x steps / that
 time: prefill is outside the timed window, and the window holds decode steps only (checked: it took exactly
-``--steps`` engine steps, so each step decoded the whole batch, and vLLM's preemption counter stayed 0). The three batches are interleaved, ``--repeats`` rounds
-after one warm-up round, and each batch keeps its best rate (on a shared machine other work only slows).
+``--steps`` engine steps, so each step decoded the whole batch, and vLLM's preemption counter stayed 0). The
+three batches are interleaved, ``--repeats`` rounds after one warm-up round, and each batch keeps its best rate
+(on a shared machine other work only slows). Adapter and peer engines run one after the other.
 
 Float32, not bfloat16, by default: on a CPU without bf16 arithmetic (AVX2 only, as here) vLLM's bf16 GEMMs are
 compute-bound at a few tens of GFLOP/s, so batching buys even the native model little and the bench could not
@@ -382,7 +383,8 @@ def bench_model(model: str, width: str, args, tmp: Path) -> int:
     from ascend_adapters.common.platform import cpu_isa
 
     sources = (*model_sources(model), "tree:common/bench")
-    bench = BenchRun(model, f"decode-scaling-{width}", sources=sources)
+    variant = width + ("-compiled" if args.compiled else "") + ("-bf16" if args.dtype == "bfloat16" else "")
+    bench = BenchRun(model, f"decode-scaling-{variant}", sources=sources)
     t0 = time.perf_counter()
     adapter_dir = make_adapter_checkpoint(model, width, tmp / f"{model}-{width}")
     adapter_cfg = json.loads((adapter_dir / "config.json").read_text())
@@ -401,13 +403,11 @@ def bench_model(model: str, width: str, args, tmp: Path) -> int:
     }
     engines = {}
     engines["adapter"] = run_engine(adapter_dir, spec)
-    print(f"   adapter: {json.dumps(engines['adapter']['rates_tok_s'])}", flush=True)
     shutil.rmtree(adapter_dir, ignore_errors=True)
     t1 = time.perf_counter()
     peer_dir = make_peer_checkpoint(peer_cfg, tmp / f"peer-{model}-{width}", args.dtype)
     print(f"   peer {PEERS[model]} checkpoint written in {time.perf_counter() - t1:.0f} s", flush=True)
     engines["peer"] = run_engine(peer_dir, spec)
-    print(f"   peer:    {json.dumps(engines['peer']['rates_tok_s'])}", flush=True)
     shutil.rmtree(peer_dir, ignore_errors=True)
 
     result = {side: scaling(e["rates_tok_s"]) for side, e in engines.items()}
@@ -431,7 +431,10 @@ def bench_model(model: str, width: str, args, tmp: Path) -> int:
         },
     )
     if width == "real":
-        bench.metric("slice", SLICE)
+        kept = {"layers": SLICE["layers"], "vocab": SLICE["vocab"]}
+        if model != "rwkv7":
+            kept.update(routed_experts=SLICE["routed_experts"], index_topk=SLICE["index_topk"][model])
+        bench.metric("slice", kept)
     bench.metric("adapter_config", {k: v for k, v in adapter_cfg.items() if k != "transformers_version"})
     bench.metric("peer_config", peer_cfg)
     bench.metric("engines", engines)
@@ -460,7 +463,7 @@ def bench_model(model: str, width: str, args, tmp: Path) -> int:
     bench.write(args.evidence_dir)
     if args.out:
         out = Path(args.out)
-        path = out.with_name(f"{out.stem}_{model}_{width}{out.suffix}")
+        path = out.with_name(f"{out.stem}_{model}_{variant}{out.suffix}")
         path.write_text(json.dumps(bench.rec.to_dict(), indent=2, default=str) + "\n")
     return 0 if bench.rec.passed else 1
 
@@ -489,7 +492,9 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-len", type=int, default=None)
     ap.add_argument("--steps", type=int, default=None, help="timed decode steps per batch and round")
     ap.add_argument("--repeats", type=int, default=None, help="rounds over the batches after the warm-up round")
-    ap.add_argument("--out", help="also write each record as JSON beside this path (<stem>_<model>_<width>.json)")
+    ap.add_argument(
+        "--out", help="also write each record as JSON beside this path (<stem>_<model>_<width>[-compiled][-bf16].json)"
+    )
     ap.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
     add_evidence_dir_argument(ap)
     args = ap.parse_args(argv)
@@ -497,18 +502,21 @@ def main(argv=None) -> int:
         return worker(*args.worker)
     refuse_busy_machine(args)  # after the worker mode: a worker runs while its own bench loads the machine
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    widths = (
-        ("tiny",)
-        if args.quick and not args.width
-        else {"both": ("tiny", "real"), None: ("tiny", "real")}.get(args.width, (args.width,))
-    )
+    if args.width in (None, "both"):
+        widths = ("tiny",) if args.quick and args.width is None else ("tiny", "real")
+    else:
+        widths = (args.width,)
     models = MODELS if args.model == "all" else (args.model,)
     failed = 0
     for width in widths:
         for model in models:
             with tempfile.TemporaryDirectory(prefix=f"bench-scaling-{model}-") as tmp:
                 t0 = time.perf_counter()
-                failed |= bench_model(model, width, args, Path(tmp))
+                try:
+                    failed |= bench_model(model, width, args, Path(tmp))
+                except RuntimeError as exc:  # an engine that failed: the next adapter still runs; no record
+                    print(f"   {model} ({width}) FAILED, no record written: {exc}", file=sys.stderr, flush=True)
+                    failed = 1
                 print(f"   {model} ({width}) took {time.perf_counter() - t0:.0f} s", flush=True)
     return failed
 
