@@ -284,12 +284,14 @@ class DeepseekV4Attention(nn.Module):
         """Attention of a grid of queries ``[R, L]`` (positions ``qpos``; ``first [R]``: each row's
         first query position) over its requests' windows and compressed entries -> ``[R, L, H, D]``."""
         dev = q.device
-        W, L = self.window, qpos.shape[1]
-        # the window keys of a row: positions first - W + 1 .. first + L - 1
-        kpos = (first - W + 1)[:, None] + torch.arange(W - 1 + L, device=dev)
+        L = qpos.shape[1]
+        # the window keys of a row: positions first - span .. first + L - 1, span the W - 1 positions before
+        # its first query, or fewer where no sequence of the step is that long (first <= max_seq_len - 1)
+        span = min(self.window - 1, step.max_seq_len - 1)
+        kpos = (first - span)[:, None] + torch.arange(span + L, device=dev)
         keys = self._rows_of(WINDOW, tables, kpos.clamp(min=0)).to(q.dtype)
         gap = qpos[:, :, None] - kpos[:, None, :]
-        allowed = (kpos[:, None, :] >= 0) & (gap >= 0) & (gap < W)
+        allowed = (kpos[:, None, :] >= 0) & (gap >= 0) & (gap < self.window)
         if self.compressor is None:
             return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
         # every entry a row's requests may hold: as many as the step's longest sequence has
