@@ -273,8 +273,6 @@ def test_every_adapter_refuses_a_cache_dtype_it_does_not_store(flag, attr, value
     assert not unsupported_reasons(_config_asking())
 
 
-
-
 def test_policy_refusal_is_one_line_before_it_propagates(capsys):
     """A start-up refusal is one line on stderr before vLLM's traceback (#48 item 5)."""
     from ascend_adapters.common.policy import REFUSAL_PREFIX, policy_class
@@ -288,7 +286,10 @@ def test_policy_refusal_is_one_line_before_it_propagates(capsys):
     policy = policy_class(None, check, check_model=check_model)
     with pytest.raises(ValueError, match="not divisible"):
         policy.verify_and_update_config(object())
-    assert capsys.readouterr().err == f"{REFUSAL_PREFIX} RWKV-7 adapter: 2 heads are not divisible by tensor_parallel_size=4\n"
+    assert (
+        capsys.readouterr().err
+        == f"{REFUSAL_PREFIX} RWKV-7 adapter: 2 heads are not divisible by tensor_parallel_size=4\n"
+    )
     with pytest.raises(ValueError, match="disagree"):
         policy.verify_and_update_model_config(object())
     assert capsys.readouterr().err == f"{REFUSAL_PREFIX} checkpoint and config.json disagree: missing tensor 'x'\n"
