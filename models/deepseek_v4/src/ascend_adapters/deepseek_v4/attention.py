@@ -103,13 +103,20 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         self.kv_cache = compat.latent_layer_cache(kv_cache)
 
 
-def _slots(cache: DeepseekV4Cache, table: torch.Tensor, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(block, offset) of cache rows ``rows`` (position or entry numbers) of the requests whose block
-    table rows are ``table`` (``[..., max_blocks]``, one per leading index of ``rows``); rows outside the
-    table read its first or last block (the caller masks what they hold)."""
+def _slots(
+    cache: DeepseekV4Cache, table: torch.Tensor, requests: torch.Tensor, rows: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(block, offset) of cache rows ``rows`` (position or entry numbers) of the requests ``requests``
+    (their rows of the block table ``table [num_reqs, max_blocks]``, broadcast against ``rows``); rows
+    outside the table read its first or last block (the caller masks what they hold)."""
     per = cache.rows_per_block
     col = (rows // per).clamp_(0, table.shape[-1] - 1)
-    return table.gather(-1, col.reshape(*table.shape[:-1], -1)).view_as(rows), rows % per
+    return table[requests, col], rows % per
+
+
+def _grid_requests(rows: torch.Tensor) -> torch.Tensor:
+    """The request of each cell of a grid's ``rows [R, ...]``: its leading index, broadcast over the rest."""
+    return torch.arange(rows.shape[0], device=rows.device).view(-1, *[1] * (rows.dim() - 1))
 
 
 def _write(cache: DeepseekV4Cache, block: torch.Tensor, offset: torch.Tensor, values: torch.Tensor) -> None:
@@ -226,11 +233,11 @@ class DeepseekV4Attention(nn.Module):
             return
         x, q, kv, qr, positions = x[:n], q[:n], kv[:n], qr[:n], positions[:n]
         req = step.token_request
-        _write(window, *_slots(window, tables[WINDOW][req], positions), kv)
+        _write(window, *_slots(window, tables[WINDOW], req, positions), kv)
         if self.compressor is not None:
             for kind, comp in self._compressors():
                 cache = self.caches[kind]
-                _write(cache, *_slots(cache, tables[kind][req], positions), comp.states(x, positions))
+                _write(cache, *_slots(cache, tables[kind], req, positions), comp.states(x, positions))
         # each request's first position this step (its padding requests: the step's last token's)
         starts = positions[step.query_start_loc.clamp(max=n - 1)]
         for seg in step.segments:
@@ -267,18 +274,19 @@ class DeepseekV4Attention(nn.Module):
             state = self.caches[state_kind]
             span = state.geometry.sliding_window  # the rows an entry pools: 2 * rate (overlap) or rate
             srows = (w_row + 1)[..., None] * m - span + torch.arange(span, device=qpos.device)
-            states = state.kv_cache[_slots(state, tables[state_kind], srows.clamp(min=0))]
+            states = self._rows_of(state_kind, tables, srows.clamp(min=0))
             has_prev = (w >= 1).flatten() if comp.overlap else None
             entries = comp.pool(states.flatten(0, 1), has_prev, w_row.flatten(), self.compress_rotary_emb)
             cache = self.caches[entry_kind]
-            block, offset = _slots(cache, tables[entry_kind], w_row)
+            block, offset = _slots(cache, tables[entry_kind], _grid_requests(w_row), w_row)
             block = torch.where(closing, block, torch.zeros_like(block))
             offset = torch.where(closing, offset, torch.zeros_like(offset))
             _write(cache, block.flatten(), offset.flatten(), entries)
 
     def _rows_of(self, kind: str, tables, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``rows [R, ...]`` of cache ``kind`` of a grid's requests (``tables``: the grid's block tables)."""
         cache = self.caches[kind]
-        return cache.kv_cache[_slots(cache, tables[kind], rows)]
+        return cache.kv_cache[_slots(cache, tables[kind], _grid_requests(rows), rows)]
 
     def _attend_grid(self, x, q, qr, qpos, first, tables, step) -> torch.Tensor:
         """Attention of a grid of queries ``[R, L]`` (positions ``qpos``; ``first [R]``: each row's
