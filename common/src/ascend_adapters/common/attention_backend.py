@@ -15,6 +15,13 @@ from vllm.v1.attention.backend import AttentionBackend, AttentionImpl
 from ascend_adapters.common import compat
 
 
+def token_requests(query_start_loc: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """The request of each of a step's first ``num_tokens`` tokens, from its device query boundaries
+    ``[num_reqs + 1]`` (no host read); a token past the last request's tokens counts as the last request's."""
+    tokens = torch.arange(num_tokens, dtype=query_start_loc.dtype, device=query_start_loc.device)
+    return torch.searchsorted(query_start_loc[1:], tokens, right=True).clamp(max=query_start_loc.shape[0] - 2)
+
+
 def register_layer(name: str, layer) -> None:
     """Enter ``layer`` in vLLM's ``static_forward_context`` under ``name`` (its prefix), as vLLM's own
     attention and state layers do: vLLM then binds its caches and hands it its step's metadata."""

@@ -23,7 +23,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
-from ascend_adapters.common.attention_backend import LayerAttentionBackend
+from ascend_adapters.common.attention_backend import LayerAttentionBackend, token_requests
 
 # queries of one prefill request attended at a time (``attention.DeepseekV4Attention``): its score
 # matrices stay QUERY_TILE x (window + tile + entries) whatever the chunk's length
@@ -82,9 +82,7 @@ def step_metadata(
     from its host copies; nothing read back from the device."""
     n = query_start_loc.shape[0] - 1
     tokens = segments[-1].token_rows[1] if segments else 0
-    token_request = torch.searchsorted(
-        query_start_loc[1:], torch.arange(tokens, device=query_start_loc.device), right=True
-    )
+    token_request = token_requests(query_start_loc, tokens)
     return DeepseekV4CacheMetadata(
         block_table=block_table[:n].to(torch.long),
         query_start_loc=query_start_loc,

@@ -9,7 +9,7 @@ contexts, the token range of each prefill chunk): the builder reads no device
 value. The attention itself is computed by the model layer's
 ``vllm::glm_dsa_attention`` op with the portable kernels in ``kernels.py``; it
 derives each token's request and context on the device from those tensors
-(``token_requests``, ``decode_context``), so a decode step is one batched pass
+(``common.attention_backend.token_requests``, ``decode_context``), so a decode step is one batched pass
 whose ops and shapes depend on the step's token and request counts and its
 context width only. Nothing here needs a device kernel, so the same path runs on
 CPU and on an NPU.
@@ -28,7 +28,7 @@ from vllm.v1.attention.backend import (
 )
 from vllm.v1.attention.backends.utils import split_decodes_and_prefills
 
-from ascend_adapters.common.attention_backend import LayerAttentionBackend
+from ascend_adapters.common.attention_backend import LayerAttentionBackend, token_requests
 
 
 @dataclass
@@ -73,19 +73,11 @@ def selected_slots(block_table: torch.Tensor, positions: torch.Tensor, block_siz
     return (blocks * block_size + pos % block_size).masked_fill(positions < 0, 0)
 
 
-def token_requests(md: GlmDsaMetadata, num_tokens: int, num_reqs: int) -> torch.Tensor:
-    """The request of each of the step's first ``num_tokens`` tokens, among its first ``num_reqs`` requests,
-    from the device query boundaries. A padding token past the last request's tokens counts as the last request's."""
-    qsl = md.query_start_loc
-    tokens = torch.arange(num_tokens, dtype=qsl.dtype, device=qsl.device)
-    return torch.searchsorted(qsl[1 : num_reqs + 1], tokens, right=True).clamp(max=num_reqs - 1)
-
-
 def decode_context(md: GlmDsaMetadata, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Cache slots ``[D, context_width]`` and validity of the causal context of every decode token: token ``j``
     of a request's ``q`` sees its sequence less the ``q - 1 - j`` tokens after it. Computed on the device."""
     d = md.num_decode_tokens
-    req = token_requests(md, d, md.num_decodes)
+    req = token_requests(md.query_start_loc[: md.num_decodes + 1], d)
     tokens = torch.arange(d, dtype=md.query_start_loc.dtype, device=md.query_start_loc.device)
     lengths = md.seq_lens[req] - md.query_start_loc[req + 1] + tokens + 1
     # at least one row: a padding token (past its request's end, or of a padding request) reads the null

@@ -62,10 +62,10 @@ from vllm.sequence import IntermediateTensors
 from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
-from ascend_adapters.common.attention_backend import register_layer
+from ascend_adapters.common.attention_backend import register_layer, token_requests
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
-from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend, decode_context, selected_slots, token_requests
+from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend, decode_context, selected_slots
 from ascend_adapters.glm_dsa.config import (
     AttentionMode,
     GlmDsaConfigError,
@@ -419,7 +419,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         selection (``-1`` after them), so ``context_width`` columns hold them all."""
         n = md.num_attended_tokens
         top = selection[:n, : min(self.index_topk, md.context_width)]
-        req = token_requests(md, n, md.num_reqs)
+        req = token_requests(md.query_start_loc[: md.num_reqs + 1], n)
         slots = selected_slots(md.block_table[req], top, self.block_size)
         rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [T, k, C]
         attend = dispatch.op("glm_dsa.latent_attention")
