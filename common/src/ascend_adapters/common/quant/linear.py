@@ -33,6 +33,11 @@ from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the o
 from ascend_adapters.common.quant.description import W8A8, W8A8_DYNAMIC, DescriptionError
 from ascend_adapters.common.quant.kernels import portable
 
+# the kernel ops, looked up once
+_pack_weight = dispatch.op("modelslim.pack_weight")
+_w8a8_dynamic_linear = dispatch.op("modelslim.w8a8_dynamic_linear")
+_w8a8_static_linear = dispatch.op("modelslim.w8a8_static_linear")
+
 logger = logging.getLogger("ascend_adapters")
 
 # dispatch.choose labels of the CPU W8A8_DYNAMIC linears (portable.cpu_layout): vLLM-CPU's prepacked oneDNN
@@ -154,7 +159,7 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
         if not torch.isfinite(scale).all():
             raise DescriptionError(f"{self.prefix}.weight_scale: contains non-finite values")
         _replace(layer, "weight_scale", scale.contiguous())
-        weight = dispatch.op("modelslim.pack_weight")(layer.weight.data)
+        weight = _pack_weight(layer.weight.data)
 
         out_dtype = layer.modelslim_out_dtype
         on_cpu = weight.device.type == "cpu" and path_for_device("cpu") is KernelPath.PORTABLE
@@ -180,7 +185,7 @@ class ModelSlimW8A8DynamicLinearMethod(LinearMethodBase):
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if layer.modelslim_engine_linear is not None:
             return layer.modelslim_engine_linear(x, bias)
-        return dispatch.op("modelslim.w8a8_dynamic_linear")(x, layer.weight, layer.weight_scale, bias)
+        return _w8a8_dynamic_linear(x, layer.weight, layer.weight_scale, bias)
 
 
 @register_weight_loader_v2_supported_method
@@ -257,7 +262,7 @@ class ModelSlimW8A8StaticLinearMethod(LinearMethodBase):
         _replace(layer, "deq_scale", deq.contiguous())
         adds_bias = not (isinstance(layer, RowParallelLinear) and getattr(layer, "tp_rank", 0) > 0)
         layer.modelslim_adds_quant_bias = adds_bias
-        _replace(layer, "weight", dispatch.op("modelslim.pack_weight")(layer.weight.data))
+        _replace(layer, "weight", _pack_weight(layer.weight.data))
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         # ``bias`` (the float bias) is folded into quant_bias by the exporter: never added here.
@@ -311,7 +316,7 @@ def _w8a8_static_linear_op(
     deq_scale: torch.Tensor,
     quant_bias: torch.Tensor | None,
 ) -> torch.Tensor:
-    return dispatch.op("modelslim.w8a8_static_linear")(x, weight, input_scale, input_offset, deq_scale, quant_bias)
+    return _w8a8_static_linear(x, weight, input_scale, input_offset, deq_scale, quant_bias)
 
 
 def _w8a8_static_linear_shape(x, weight, input_scale, input_offset, deq_scale, quant_bias) -> torch.Tensor:

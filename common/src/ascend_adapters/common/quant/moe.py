@@ -24,6 +24,10 @@ from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 from ascend_adapters.common.quant import kernels  # noqa: F401  (registers the ops)
 from ascend_adapters.common.quant.description import DescriptionError
 
+# the kernel ops, looked up once
+_pack_weight = dispatch.op("modelslim.pack_weight")
+_w8a8_dynamic_moe = dispatch.op("modelslim.w8a8_dynamic_moe")
+
 _SUPPORTED_ACTIVATIONS = ("silu", "gelu")
 
 
@@ -118,9 +122,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
             )
             w = getattr(layer, f"{side}_weight").data
             delattr(layer, f"{side}_weight")
-            layer.register_parameter(
-                f"{side}_weight", torch.nn.Parameter(dispatch.op("modelslim.pack_weight")(w), requires_grad=False)
-            )
+            layer.register_parameter(f"{side}_weight", torch.nn.Parameter(_pack_weight(w), requires_grad=False))
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
@@ -171,7 +173,7 @@ def _w8a8_dynamic_moe_op(
     apply_router_weight_on_input: bool,
     swiglu_limit: float | None,
 ) -> torch.Tensor:
-    return dispatch.op("modelslim.w8a8_dynamic_moe")(
+    return _w8a8_dynamic_moe(
         x,
         w13,
         w13_scale,

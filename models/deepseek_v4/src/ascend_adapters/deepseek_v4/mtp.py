@@ -72,18 +72,14 @@ class DeepseekV4SharedHead(nn.Module):
 
 
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
-    def __init__(self, vllm_config: VllmConfig, config, layer_idx: int, prefix: str):
-        super().__init__(config, layer_idx, vllm_config.quant_config, prefix)
+    def __init__(self, quant_config, config, layer_idx: int, prefix: str):
+        super().__init__(config, layer_idx, quant_config, prefix)
         h, n = config.hidden_size, config.hc_mult
         self.config = config
         self.enorm = RMSNorm(h, eps=config.rms_norm_eps)
         self.hnorm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.e_proj = ReplicatedLinear(
-            h, h, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.e_proj"
-        )
-        self.h_proj = ReplicatedLinear(
-            h, h, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.h_proj"
-        )
+        self.e_proj = ReplicatedLinear(h, h, bias=False, quant_config=quant_config, prefix=f"{prefix}.e_proj")
+        self.h_proj = ReplicatedLinear(h, h, bias=False, quant_config=quant_config, prefix=f"{prefix}.h_proj")
         self.hc_head = nn.Module()
         self.hc_head.hc_fn = nn.Parameter(torch.empty(n, n * h, dtype=torch.float32), requires_grad=False)
         self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
@@ -124,13 +120,16 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
                 "layer to draft with; serve without --speculative-config"
             )
         self.embed_tokens = None  # the target's, installed by vLLM's proposer
-        if vllm_config.quant_config is not None:
-            # a quantized export names the MTP layer mtp.K.*: map its description to the drafter's layer
-            # names, as vLLM maps the target's through DeepseekV4ForCausalLM.hf_to_vllm_mapper
-            vllm_config.quant_config.apply_vllm_mapper(mtp_weights_mapper(config))
+        quant_config = vllm_config.quant_config
+        if quant_config is not None:
+            # a quantized export names the MTP layer mtp.K.*: the drafter's own copy of the quantization
+            # config maps its description to the drafter's layer names, as vLLM maps the target's through
+            # DeepseekV4ForCausalLM.hf_to_vllm_mapper (the config vLLM hands over, the target's, is left as is)
+            quant_config = copy.deepcopy(quant_config)
+            quant_config.apply_vllm_mapper(mtp_weights_mapper(config))
         ids = range(self.mtp_start_layer_idx, self.mtp_start_layer_idx + self.num_mtp_layers)
         self.layers = nn.ModuleDict(
-            {str(i): DeepseekV4MTPLayer(vllm_config, config, i, prefix=f"{prefix}.layers.{i}") for i in ids}
+            {str(i): DeepseekV4MTPLayer(quant_config, config, i, prefix=f"{prefix}.layers.{i}") for i in ids}
         )
         self.expert_mapping = fused_moe_make_expert_params_mapping(
             self,

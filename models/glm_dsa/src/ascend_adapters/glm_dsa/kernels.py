@@ -9,10 +9,9 @@ the cache holds one row ``[kv_c | k_pe | indexer_k]`` per token, the query's
 nope part is taken through ``W_UK`` (the key half of ``kv_b_proj``) into the
 ``kv_lora_rank``-wide latent space, scores are ``q_lat . kv_c + q_pe . k_pe``,
 the output is the probability-weighted sum of ``kv_c`` rows, and ``W_UV``
-(the value half) is applied to that sum. ``mla_reference`` beside it is the
-re-expanding form (every cached row through ``kv_b_proj``, then ordinary
-multi-head attention): the same model, kept as the portable reference for the
-unit tests and the benchmark.
+(the value half) is applied to that sum. The re-expanding form (every cached
+row through ``kv_b_proj``, then ordinary multi-head attention) is the
+benchmark's peer and lives there (``bench/bench_glm_dsa.py``).
 
 Layouts: ``N`` groups of ``S`` queries that share one set of ``K`` candidate
 rows (a prefill chunk: N=1, S=its tokens, K=its request's context; the
@@ -134,27 +133,3 @@ def expand_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
     """The latent attention output ``[T, H, R]`` through ``W_UV``: ``[T, H, v]``."""
     # contiguous: the result feeds o_proj, whose CPU GEMM wants unit stride on the last dimension
     return torch.bmm(w_uv.to(out_lat.dtype), out_lat.permute(1, 2, 0)).permute(2, 0, 1).contiguous()
-
-
-def mla_reference(
-    q: torch.Tensor,  # [T, H, nope + P]: the full query (nope | rope)
-    rows: torch.Tensor,  # [L, >= R + P]: one request's cached rows
-    w_kv_b: torch.Tensor,  # [H * (nope + v), R]
-    mask: torch.Tensor,  # [T, L] bool
-    scale: float,
-    nope: int,
-    v_dim: int,
-) -> torch.Tensor:
-    """The re-expanding form: every cached row through ``kv_b_proj`` into per-head keys and values, then
-    masked multi-head attention, ``[T, H, v]``. Same model as the absorbed path; its cost grows with the
-    context times ``kv_b_proj``'s width at every step (the benchmark's peer, the unit tests' reference)."""
-    h = q.shape[1]
-    r = w_kv_b.shape[-1]
-    p = q.shape[-1] - nope
-    kv = (rows[:, :r].float() @ w_kv_b.float().t()).view(-1, h, nope + v_dim)
-    k_pe = rows[:, r : r + p].float()
-    k = torch.cat([kv[..., :nope], k_pe[:, None, :].expand(-1, h, -1)], dim=-1)
-    scores = torch.einsum("thd,lhd->htl", q.float(), k) * scale
-    scores = scores.masked_fill(~mask.unsqueeze(0), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("htl,lhd->thd", probs, kv[..., nope:]).to(q.dtype)

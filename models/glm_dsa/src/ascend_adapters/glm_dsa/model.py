@@ -44,7 +44,7 @@ from vllm.config import VllmConfig
 from vllm.distributed import get_pp_group, get_tensor_model_parallel_world_size
 from vllm.forward_context import get_forward_context
 from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
-from vllm.model_executor.layers.fused_moe import GateLinear, fused_moe_make_expert_params_mapping
+from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import (
     ColumnParallelLinear,
@@ -75,6 +75,14 @@ from ascend_adapters.glm_dsa.config import (
     require_field,
 )
 from ascend_adapters.glm_dsa.remap import STACKED_PARAMS
+
+# the kernel ops the layers call, looked up once
+_rope = dispatch.op("common.rope_interleaved")
+_cache_write = dispatch.op("glm_dsa.cache_write")
+_cache_gather = dispatch.op("glm_dsa.cache_gather")
+_latent_attention = dispatch.op("glm_dsa.latent_attention")
+_cache_rows = dispatch.op("glm_dsa.cache_rows")
+_indexer_topk = dispatch.op("glm_dsa.indexer_topk")
 
 # the key of the previous stage's top-k selection in the tensors handed between pipeline stages
 SELECTION_KEY = "topk_indices"
@@ -186,7 +194,7 @@ class GlmDsaIndexer(nn.Module):
 
     def project(self, hidden_states, q_c, cos, sin):
         t = hidden_states.shape[0]
-        rope = dispatch.op("common.rope_interleaved")
+        rope = _rope
         q = self.wq_b(q_c)[0].view(t, self.n_heads, self.head_dim)
         k = self.wk(hidden_states)[0]
         k = nn.functional.layer_norm(
@@ -305,7 +313,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         """Projections (compiled), then ``vllm::glm_dsa_attention`` (cache write and attention, run
         eagerly between graph pieces), then the output projection (compiled)."""
         t = hidden_states.shape[0]
-        rope = dispatch.op("common.rope_interleaved")
+        rope = _rope
         cos, sin = self.rotary.cos_sin(positions)
 
         q_c = self.q_a_layernorm(self.q_a_proj(hidden_states)[0])
@@ -357,7 +365,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             md = md.get(self.layer_name)
         if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run: nothing cached yet
             return
-        dispatch.op("glm_dsa.cache_write")(self.kv_cache, md.slot_mapping, rows)
+        _cache_write(self.kv_cache, md.slot_mapping, rows)
         if self.mode is AttentionMode.DENSE:
             self._dense(md, q_lat, q_pe, out)
             return
@@ -373,17 +381,17 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
     def _prefill_context(self, md, r: int, qs: int, qe: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's (request ``r``, tokens ``qs:qe``) context rows ``[width, C]`` and each token's
         causal mask over them ``[S, width]``: token ``t`` sees its sequence less the ``qe - 1 - t`` after it."""
-        ctx = dispatch.op("glm_dsa.cache_gather")(self.kv_cache, md.block_table[r], width)
+        ctx = _cache_gather(self.kv_cache, md.block_table[r], width)
         lengths = md.seq_lens[r] - qe + 1 + torch.arange(qs, qe, device=ctx.device)
         return ctx, torch.arange(width, device=ctx.device)[None, :] < lengths[:, None]
 
     def _dense(self, md, q_lat, q_pe, out) -> None:
         """Every decode token over its whole context in one call; each prefill chunk over its request's rows."""
-        attend = dispatch.op("glm_dsa.latent_attention")
+        attend = _latent_attention
         d = md.num_decode_tokens
         if d:
             slots, valid = decode_context(md, self.block_size)
-            rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [D, W, C]
+            rows = _cache_rows(self.kv_cache, slots)  # [D, W, C]
             out[:d] = attend(q_lat[:d, None], q_pe[:d, None], rows, valid[:, None], self.scaling)[:, 0]
         for r, qs, qe, width in md.prefills:
             ctx, causal = self._prefill_context(md, r, qs, qe, width)
@@ -391,9 +399,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
 
     def _select(self, q_idx, w_idx, keys, valid) -> torch.Tensor:
         """Top-k context positions ``[N, S, index_topk]`` (``-1`` = none) from this layer's indexer."""
-        top = dispatch.op("glm_dsa.indexer_topk")(
-            q_idx * self.indexer.softmax_scale, w_idx, keys, valid, self.index_topk
-        )
+        top = _indexer_topk(q_idx * self.indexer.softmax_scale, w_idx, keys, valid, self.index_topk)
         if top.shape[-1] < self.index_topk:
             top = torch.nn.functional.pad(top, (0, self.index_topk - top.shape[-1]), value=-1)
         return top
@@ -405,7 +411,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         d = md.num_decode_tokens
         if d:
             slots, valid = decode_context(md, self.block_size)
-            keys = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)[..., index_keys]  # [D, W, Di]
+            keys = _cache_rows(self.kv_cache, slots)[..., index_keys]  # [D, W, Di]
             selection[:d] = self._select(q_idx[:d, None], w_idx[:d, None], keys, valid[:, None])[:, 0]
         for r, qs, qe, width in md.prefills:
             ctx, causal = self._prefill_context(md, r, qs, qe, width)
@@ -421,8 +427,8 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         top = selection[:n, : min(self.index_topk, md.context_width)]
         req = token_requests(md.query_start_loc[: md.num_reqs + 1], n)
         slots = selected_slots(md.block_table[req], top, self.block_size)
-        rows = dispatch.op("glm_dsa.cache_rows")(self.kv_cache, slots)  # [T, k, C]
-        attend = dispatch.op("glm_dsa.latent_attention")
+        rows = _cache_rows(self.kv_cache, slots)  # [T, k, C]
+        attend = _latent_attention
         out[:n] = attend(q_lat[:n, None], q_pe[:n, None], rows, (top >= 0)[:, None], self.scaling)[:, 0]
 
     def absorb_weights(self) -> None:
@@ -465,32 +471,20 @@ class GlmDsaRoutingConfig:
         return getattr(self._config, name)
 
 
-def _route_in_float32(gate: GateLinear) -> None:
-    """Hold the router weight in float32, as transformers' ``GlmMoeDsaTopkRouter`` computes its logits
-    (``F.linear`` of the float32-cast input and weight). ``DeepseekV2MoE`` builds the gate in the model
-    dtype (only its output is float32), so in bfloat16 the product would round before the sigmoid and
-    can change which experts are chosen. The checkpoint's bfloat16 values upcast exactly; ``GateLinear``
-    then casts the input to the weight's dtype. Done before loading, so the loader fills this tensor."""
-    weight = gate.weight
-    if weight.dtype == torch.float32:
-        return
-    fp32 = nn.Parameter(torch.empty_like(weight, dtype=torch.float32), requires_grad=False)
-    for attr, value in vars(weight).items():  # weight_loader and the other vLLM weight attributes
-        setattr(fp32, attr, value)
-    gate.weight = fp32
-
-
 def make_moe(vllm_config: VllmConfig, config, prefix: str) -> DeepseekV2MoE:
     """vLLM's DeepSeek-V2 MoE block (FusedMoE routed experts, shared experts as ``DeepseekV2MLP``) with
-    GLM-5's router (see ``GlmDsaRoutingConfig`` and ``_route_in_float32``)."""
+    GLM-5's router (see ``GlmDsaRoutingConfig``), computing its logits in float32 as transformers'
+    ``GlmMoeDsaTopkRouter`` does (``F.linear`` of the float32-cast input and weight): vLLM's block builds
+    its ``GateLinear`` in the model dtype, so ``compat.force_fp32_compute`` gives it what
+    ``force_fp32_compute=True`` gives DeepSeek-V4's gate (in bfloat16 the product would otherwise round
+    before the sigmoid and can change which experts are chosen)."""
     moe = DeepseekV2MoE(
         config=GlmDsaRoutingConfig(config),
         parallel_config=vllm_config.parallel_config,
         quant_config=vllm_config.quant_config,
         prefix=prefix,
     )
-    _route_in_float32(moe.gate)
-    compat.keep_router_gate_dtype(moe.gate)
+    compat.force_fp32_compute(moe.gate)
     return moe
 
 

@@ -89,9 +89,9 @@ from vllm.model_executor.utils import set_weight_attrs
 from vllm.sequence import IntermediateTensors
 from vllm.v1.attention.backend import AttentionCGSupport
 from vllm.v1.attention.backends.linear_attn import (
-    BailingLinearAttentionBackend,
-    BailingLinearAttentionMetadata,
-    BailingLinearAttentionMetadataBuilder,
+    LinearAttentionBackend,
+    LinearAttentionMetadata,
+    LinearAttentionMetadataBuilder,
 )
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.attention.backends.utils import NULL_BLOCK_ID, mamba_get_block_table_tensor
@@ -128,9 +128,13 @@ def state_bytes_per_sequence(config, model_dtype: torch.dtype = torch.float32) -
     return config.num_hidden_layers * per_layer
 
 
-class Rwkv7StateBackend(BailingLinearAttentionBackend):
-    """vLLM's linear-attention state backend with speculative decoding (Bailing's), whose metadata also
-    carries every request's state rows: vLLM keeps ``1 + num_speculative_tokens`` rows per request."""
+class Rwkv7StateBackend(LinearAttentionBackend):
+    """vLLM's linear-attention state backend (one state row per request, or ``1 + num_speculative_tokens``
+    under speculation), with RWKV-7's own metadata builder."""
+
+    @staticmethod
+    def get_name() -> str:
+        return "RWKV7_STATE"
 
     @staticmethod
     def get_builder_cls() -> type[Rwkv7StateMetadataBuilder]:
@@ -138,10 +142,9 @@ class Rwkv7StateBackend(BailingLinearAttentionBackend):
 
 
 @dataclass
-class Rwkv7StateMetadata(BailingLinearAttentionMetadata):
-    # [num_reqs, 1 + num_speculative_tokens] (None without speculation). Bailing's metadata has them only
-    # for a step with drafts (vLLM 0.27/0.28 leave a step without drafts out), but after a step that
-    # accepted some drafts, the state to resume from can be in any of the rows.
+class Rwkv7StateMetadata(LinearAttentionMetadata):
+    # [num_reqs, 1 + num_speculative_tokens] (None without speculation): after a step that accepted some
+    # drafts, the state to resume from can be in any of a request's rows
     state_rows: torch.Tensor | None = None
     # the longest decode of the step (host int, <= 1 + num_speculative_tokens): the token positions stepped
     decode_width: int = 1
@@ -154,9 +157,15 @@ class Rwkv7StateMetadata(BailingLinearAttentionMetadata):
     split: _Batch | None = field(default=None, init=False, repr=False, compare=False)
 
 
-class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
-    """Bailing's builder plus the state rows under speculation and the host values a step needs, read from
-    the host copies vLLM hands every builder (``query_start_loc_cpu``), never from the device tensors.
+class Rwkv7StateMetadataBuilder(LinearAttentionMetadataBuilder):
+    """vLLM's linear-attention metadata (decodes first, each request's state row) plus the state rows under
+    speculation and the host values a step needs, read from the host copies vLLM hands every builder
+    (``query_start_loc_cpu``), never from the device tensors.
+
+    Under speculation a request of at most ``1 + num_speculative_tokens`` tokens is a decode (vLLM orders
+    the batch by the same threshold), whether or not the step carries drafts: the decode path steps each
+    token from the row whose count matches (``_Batch.from_metadata``), so it needs neither vLLM's count of
+    accepted drafts nor a per-engine rule for when it is handed.
 
     Graph support: ``UNIFORM_BATCH``. A step whose requests all have the same query length (single-token
     decode, or a verification step of ``1 + k`` tokens each) uses no host value beyond that length and
@@ -166,13 +175,13 @@ class Rwkv7StateMetadataBuilder(BailingLinearAttentionMetadataBuilder):
 
     _cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
 
-    @classmethod
-    def get_cudagraph_support(cls, vllm_config, kv_cache_spec) -> AttentionCGSupport:
-        # what vLLM reads; Bailing's builder answers here instead of from the class attribute
-        return cls._cudagraph_support
+    def __init__(self, kv_cache_spec, layer_names, vllm_config, device):
+        super().__init__(kv_cache_spec, layer_names, vllm_config, device)
+        self.num_spec_tokens: int = vllm_config.num_speculative_tokens
+        self._init_reorder_batch_threshold(1, self.num_spec_tokens > 0)
 
-    def build(self, common_prefix_len, common_attn_metadata, fast_build=False, **spec_args) -> Rwkv7StateMetadata:
-        md = super().build(common_prefix_len, common_attn_metadata, fast_build, **spec_args)
+    def build(self, common_prefix_len, common_attn_metadata, fast_build=False) -> Rwkv7StateMetadata:
+        md = super().build(common_prefix_len, common_attn_metadata, fast_build)
         rows = None
         if self.num_spec_tokens:
             rows = mamba_get_block_table_tensor(
@@ -248,7 +257,7 @@ class _Batch:
         seq_lens = md.seq_lens[:num_reqs].to(dev, torch.long)
         computed = seq_lens - (qsl[1:] - qsl[:-1])
         # vLLM pads a captured decode batch with requests of no tokens and sequence length 0, whose block
-        # table rows are the null block (Bailing's builder hands -1 instead under full graphs): their state
+        # table rows are the null block: their state
         # reads and writes go to the null block, which no request owns
         pad = (seq_lens[:nd] == 0).unsqueeze(1)
         if md.state_rows is not None:

@@ -52,13 +52,14 @@ def _int32_matmul(xq: torch.Tensor, w_kn: torch.Tensor) -> torch.Tensor:
     M, K = xq.shape
     N = w_kn.shape[-1]
     acc = torch.zeros(M, N, dtype=torch.int32, device=xq.device)
+    # Table 2 row "int8 int8 float32/bfloat16 None int32/None None int32": a unit scale, so the result is
+    # the accumulator whether or not the operator applies the scale to an int32 output. Made once per
+    # call, each block takes its slice.
+    ones = torch.ones(min(N, QMM_MAX_LAST_DIM), dtype=torch.float32, device=xq.device)
     for kb in _blocks(K):
         for nb in _blocks(N):
-            # Table 2 row "int8 int8 float32/bfloat16 None int32/None None int32": a unit scale, so the
-            # result is the accumulator whether or not the operator applies the scale to an int32 output.
-            ones = torch.ones(nb.stop - nb.start, dtype=torch.float32, device=xq.device)
             acc[:, nb] += torch_npu.npu_quant_matmul(
-                xq[:, kb].contiguous(), w_kn[kb, nb].contiguous(), ones, output_dtype=torch.int32
+                xq[:, kb].contiguous(), w_kn[kb, nb].contiguous(), ones[: nb.stop - nb.start], output_dtype=torch.int32
             )
     return acc
 
