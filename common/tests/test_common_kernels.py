@@ -204,3 +204,39 @@ def test_grouped_experts_weight_on_input_and_empty():
     assert ((on_in - after).abs() <= bound).all()
     empty = experts.grouped_experts(x[:0], wts[:0], ids[:0], linear_experts, num_experts=5)
     assert empty.shape == (0, x.shape[1])
+
+
+def _engine_or_skip(w13, w2):
+    engine = experts.engine_swiglu_experts(w13, w2)
+    if isinstance(engine, str):
+        pytest.skip(f"vLLM-CPU's oneDNN experts path: {engine}")
+    return engine
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("routing", ["spread", "idle_experts", "expert_map", "one_token"], ids=str)
+def test_engine_swiglu_experts_match_the_route_by_route_reference(dtype, routing):
+    """The vLLM-CPU path (each expert's rows through its prepacked oneDNN handle) within the portable op's
+    bound: the same dot products of depth H and I, only in the engine's summation order."""
+    x, w13, w2, wts, ids = _moe_case(11, e=6, t=17, k=3, dtype=dtype)
+    emap, held = None, list(range(6))
+    if routing == "idle_experts":
+        ids = ids % 2 * 5  # experts 0 and 5 only
+    elif routing == "expert_map":
+        ids[0, 0], ids[1] = -1, -1
+        held = [1, 3, 4]  # this rank holds global experts 1, 3 and 4 as local 0, 1, 2
+        emap = torch.full((6,), -1, dtype=torch.long)
+        emap[torch.tensor(held)] = torch.arange(3)
+    elif routing == "one_token":
+        x, wts, ids = x[:1], wts[:1], ids[:1]
+    w13, w2 = w13[held].contiguous(), w2[held].contiguous()
+    engine = _engine_or_skip(w13, w2)
+    y = experts.engine_swiglu_experts_forward(
+        x, engine.handles13, engine.handles2, engine.width13, engine.hidden, wts, ids, emap, 1.0
+    )
+    assert y.dtype == dtype and y.shape == x.shape
+    ref = experts.grouped_experts_reference(x, wts, ids, experts.swiglu_expert_reference(w13, w2, 1.0), expert_map=emap)
+    assert _rel(y, ref) <= _moe_bound(dtype, 32, 24, 3), _rel(y, ref)
+    if routing == "expert_map":  # tokens whose routes all lead elsewhere get exactly zero
+        elsewhere = ~torch.isin(ids, torch.tensor(held)).any(dim=1)
+        assert bool(elsewhere.any()) and torch.equal(y[elsewhere], torch.zeros_like(y[elsewhere]))

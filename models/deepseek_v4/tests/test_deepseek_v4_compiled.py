@@ -22,6 +22,7 @@ inputs: outputs and every cache row the step wrote. That is the graph support th
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 
 import pytest
@@ -29,6 +30,7 @@ import torch
 from _dsv4_cases import hf_model, prompts, reference_fn
 
 from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.common.kernels import experts
 from ascend_adapters.deepseek_v4.tiny import make_tiny
 from ascend_adapters.testing.capture import PROBE, HostReads, compiled, emulated_npu_kernels
 from ascend_adapters.testing.parity import compare, two_rank_cpu_bind, vllm_logits
@@ -112,7 +114,9 @@ def inprocess_model(tiny):
     register()
     mc = ModelConfig(model=str(model_dir), dtype="float32", max_model_len=MAX_MODEL_LEN, skip_tokenizer_init=True)
     cfg = VllmConfig(model_config=mc, cache_config=CacheConfig(enable_prefix_caching=False))
-    with set_current_vllm_config(cfg):
+    # the routed experts on common's op (portable, or its NPU twin under the emulator), the shape an NPU
+    # graph holds: not vLLM-CPU's oneDNN path, which reads group bounds on the host (experts.py)
+    with set_current_vllm_config(cfg), _env(experts.PORTABLE_EXPERTS_ENV, "on"):
         ensure_single_rank_parallel_state()
         model = initialize_model(cfg)
         tensors = {}
@@ -122,6 +126,19 @@ def inprocess_model(tiny):
         process_weights_after_loading(model, mc, torch.device("cpu"))
     caches = [cache for layer in model.model.layers for cache in layer.self_attn.caches.values()]
     return cfg, model, caches
+
+
+@contextlib.contextmanager
+def _env(name: str, value: str):
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = saved
 
 
 def _pages(caches, seed: int) -> list[torch.Tensor]:

