@@ -318,6 +318,7 @@ def worker(spec_path: str, out_path: str) -> int:
             engine_steps[str(batch)].append(calls)
             print(f"[bench] round {rnd} batch {batch}: {rates[str(batch)][-1]:.1f} tok/s", file=sys.stderr)
     result = {
+        "kernel_choices": sorted({c for per_worker in llm.apply_model(_kernel_choices) for c in per_worker}),
         "startup_s": startup_s,
         "rates_tok_s": rates,
         "engine_steps_timed": engine_steps,
@@ -327,6 +328,12 @@ def worker(spec_path: str, out_path: str) -> int:
     }
     Path(out_path).write_text(json.dumps(result))
     return 0
+
+
+def _kernel_choices(model) -> list[str]:
+    """Which implementation serves each kind of call the model decided once (``dispatch.choose``): the
+    layers' ``experts_source`` (DeepSeek-V4's float experts), as ``"<kind>: <source>"``."""
+    return sorted({f"routed experts: {m.experts_source}" for m in model.modules() if hasattr(m, "experts_source")})
 
 
 def run_engine(model_dir: Path, spec: dict) -> dict:
