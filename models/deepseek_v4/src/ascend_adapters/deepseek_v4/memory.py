@@ -229,3 +229,106 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
         )
     lines.append(f"  a {short}-token request holds {_size(request_cache_bytes(cfg, short))}, whatever max_model_len")
     return lines
+
+
+# --- ascend-adapters plan (common/plan.py): per pipeline stage, vLLM's admission count --------------------
+
+
+def reserved_blocks(geometry: CacheGeometry, max_model_len: int, max_num_batched_tokens: int) -> int:
+    """Blocks vLLM 0.32 reserves for one request of ``max_model_len`` tokens in a cache of ``geometry``
+    (``KVCacheSpec.max_memory_usage_bytes``, its start-up check and its "Maximum concurrency" line): a full
+    cache every block up to max_model_len; a sliding one its window and one scheduler step, plus a block
+    (``SlidingWindowSpec.max_admission_blocks_per_request``)."""
+    if geometry.sliding_window is None:
+        return -(-max_model_len // geometry.block_size)
+    tokens = min(geometry.sliding_window - 1 + max_num_batched_tokens, max_model_len)
+    return -(-tokens // geometry.block_size) + 1
+
+
+def stage_parameter_bytes(config, start: int, end: int, first: bool, last: bool, tp: int, dtype_bytes: int) -> int:
+    """Bytes of layers ``[start, end)`` on one rank as ``weight_bytes_per_device`` counts them (routed experts
+    split over ``tp`` ranks, by TP or EP alike), the embedding on the first stage and the head and hc_head
+    on the last (vocabulary padded to a multiple of 64 and split), one rotary table set per stage, and the
+    norms, attention sinks and compressor position biases that function leaves out."""
+    import types
+
+    from ascend_adapters.common.plan import pad_vocab
+
+    h, n = int(config.hidden_size), int(config.hc_mult)
+    kinds = list(config.layer_types)[start:end]
+    sub = types.SimpleNamespace(**{**config.to_dict(), "layer_types": kinds, "vocab_size": 0})
+    c = parameter_counts(sub)
+    f32 = c["float32"] - n * n * h  # hc_head counted below, on the last stage
+    # per layer, beside parameter_counts: the attn/ffn norms, q_norm, kv_norm, this rank's attention sinks,
+    # the compressors' norms and position biases, the router's correction bias (model dtype); the mHC
+    # base and scale (float32); a hash layer's token -> experts table (int64)
+    small = 0
+    hd, ql, e = int(config.head_dim), int(config.q_lora_rank), int(config.n_routed_experts)
+    mlp_types = list(getattr(config, "mlp_layer_types", None) or [])[start:end]
+    extra = 0
+    for i, kind in enumerate(kinds):
+        small += 2 * h + ql + hd + int(config.num_attention_heads) // tp
+        f32 += 2 * ((2 + n) * n + 3)
+        if i < len(mlp_types) and mlp_types[i] == "hash_moe":
+            extra += int(config.vocab_size) * int(config.num_experts_per_tok) * 8
+        else:
+            small += e
+        if kind != LAYER_SLIDING:
+            rate = int(config.compress_rates[kind])
+            csa = kind == LAYER_CSA
+            small += rate * (2 if csa else 1) * hd + hd  # position bias, norm
+            if csa:
+                idim = int(config.index_head_dim)
+                small += rate * 2 * idim + idim
+    nbytes = (c["experts"] // tp + c["tp"] // tp + c["replicated"] + small) * dtype_bytes + f32 * 4 + extra
+    vocab = pad_vocab(int(config.vocab_size)) // tp * h * dtype_bytes
+    if first:
+        nbytes += vocab
+    if last:
+        nbytes += vocab + h * dtype_bytes + (n * n * h + n + 1) * 4  # head, norm, hc_head fn/base/scale
+    return nbytes + rope_table_bytes(config)
+
+
+def memory_plan(raw: dict, req):
+    """``ascend-adapters plan``: weights and the caches one request of ``req.max_model_len`` reserves, per
+    stage (``common.plan.Request`` in, ``common.plan.ModelMemory`` out)."""
+    from ascend_adapters.common.plan import ModelMemory, PlanError, StageMemory, check_layout, pp_partitions
+    from ascend_adapters.deepseek_v4.config import load_transformers_config
+
+    try:
+        config = load_transformers_config("config.json", config_dict=raw)
+    except ValueError as exc:
+        raise PlanError(str(exc).replace("config.json/config.json", "config.json")) from None
+    layers = int(config.num_hidden_layers)
+    check_layout(
+        req, layers, {"attention heads": int(config.num_attention_heads), "output groups": int(config.o_groups)}
+    )
+    if req.max_model_len > int(config.max_position_embeddings):
+        raise PlanError(
+            f"--max-model-len {req.max_model_len} exceeds max_position_embeddings {config.max_position_embeddings}"
+        )
+    page = page_values(config) * req.dtype_bytes
+    served = served_layer_types(config)
+    per_layer = {
+        t: sum(
+            reserved_blocks(g, req.max_model_len, req.max_num_batched_tokens) for g in layer_caches(config, t).values()
+        )
+        * page
+        for t in set(served)
+    }
+    parts = pp_partitions(layers, req.pp)
+    stages = []
+    for s, (start, end) in enumerate(parts):
+        weights = stage_parameter_bytes(config, start, end, s == 0, s == len(parts) - 1, req.tp, req.dtype_bytes)
+        stages.append(StageMemory((start, end), weights, sum(per_layer[t] for t in served[start:end]), page))
+    held = request_cache_bytes(config, req.max_model_len, req.dtype_bytes)
+    notes = [
+        f"KV cache: every cache a layer declares (sliding window; CSA/HCA compressor states, entries, indexer keys) "
+        f"in {page}-byte pages ({PAGE_ROWS} rows of {page_values(config) // PAGE_ROWS} values), replicated on every "
+        f"TP rank (one shared K=V head); the count is vLLM's reservation (sliding caches: window + "
+        f"{req.max_num_batched_tokens} scheduled tokens); a request of {req.max_model_len} tokens holds "
+        f"{held / (1 << 20):.1f} MiB of it over all layers",
+        "vLLM groups these caches into groups of equal size and may pad them: the count is an upper bound",
+        "MTP speculative decoding adds the checkpoint's MTP layer (weights and its cache); not counted here",
+    ]
+    return ModelMemory("DeepseekV4ForCausalLM", "KV cache", stages, notes, exact_concurrency=False)
