@@ -32,3 +32,12 @@ def register() -> None:
     from ascend_adapters.common.quant import register as register_modelslim_quant
 
     register_modelslim_quant()  # `modelslim` quantization config + auto-selection, see docs/quantization.md
+
+    from ascend_adapters.common import compat
+
+    # a prompt token id outside the vocabulary of a model an adapter serves: HTTP 400 naming the id and the
+    # vocabulary size, with or without a tokenizer (vLLM checks only with one; without, the engine dies)
+    compat.refuse_out_of_vocab_token_ids()
+    # an engine that dies while serving (a worker killed, ...): `vllm serve` exits non-zero with one line
+    # naming the cause (vLLM itself exits 0)
+    compat.exit_nonzero_on_engine_death()

@@ -130,9 +130,34 @@ class EvidenceRecord:
         out_dir = root / _slug(self.model)
         out_dir.mkdir(parents=True, exist_ok=True)
         path = out_dir / record_name(self.gate)
-        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n")
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, sort_keys=False, default=str) + "\n")
         write_index(root)
         return path
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> Path:
+    """Write ``text`` to ``path`` whole or not at all: into a temporary file in the same directory (name
+    ``.<name>.<random>.tmp``, which no record glob matches), flushed and fsynced, then ``os.replace``d over
+    ``path``. A run interrupted at any point (exception, Ctrl-C, SIGKILL) leaves the previous file whole; an
+    exception or Ctrl-C also removes the temporary file (a SIGKILL may leave it behind, never in place)."""
+    import tempfile
+
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        if path.exists():  # keep the previous file's permissions (mkstemp makes 0600)
+            os.chmod(tmp, path.stat().st_mode & 0o7777)
+        else:
+            os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def record_name(gate: str, engine: str | None = None) -> str:
@@ -200,9 +225,7 @@ def write_index(root: str | os.PathLike) -> Path:
         "| model | gate | " + " | ".join(f"vLLM {e}" for e in columns) + " |\n"
         "|---|---|" + "---|" * len(columns) + "\n" + "\n".join(rows) + "\n"
     )
-    path = root / "index.md"
-    path.write_text(text)
-    return path
+    return atomic_write_text(root / "index.md", text)
 
 
 def _release_key(release: str):

