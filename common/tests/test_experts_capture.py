@@ -97,8 +97,8 @@ def _op_and_weights(op: str, g: torch.Generator, dtype: torch.dtype):
     w13 = torch.randint(-127, 128, (E, 2 * INTER, H), dtype=torch.int8, generator=g)
     w2 = torch.randint(-127, 128, (E, H, INTER), dtype=torch.int8, generator=g)
     s13, s2 = torch.rand(E, 2 * INTER, generator=g) * 1e-2, torch.rand(E, H, generator=g) * 1e-2
-    pack, fn = dispatch.op("modelslim.pack_weight"), dispatch.op(op)
-    w13, w2 = pack(w13), pack(w2)
+    pack, scales, fn = dispatch.op("modelslim.pack_weight"), dispatch.op("modelslim.pack_moe_scale"), dispatch.op(op)
+    w13, w2, s13, s2 = pack(w13), pack(w2), scales(s13, dtype), scales(s2, dtype)
     return lambda x, w, ids, emap: fn(x, w13, s13, w2, s2, w, ids, expert_map=emap)
 
 

@@ -211,6 +211,26 @@ def _case_pack_weight(dtype, g):
     assert torch.equal(_port("modelslim.pack_weight")(w), w)
 
 
+def _case_pack_input_quant(dtype, g):
+    # npu_quantize's scales in the input's dtype (1 / scale: it multiplies); the portable path divides in float32
+    scale, off = torch.rand(1, generator=g) * 0.1 + 1e-3, torch.tensor([-7.0])
+    npu_scale, npu_off = _npu("modelslim.pack_input_quant")(scale, off, dtype)
+    assert npu_scale.dtype == npu_off.dtype == dtype and npu_scale.shape == npu_off.shape == (1,)
+    assert torch.equal(npu_scale, (1 / scale).to(dtype)) and torch.equal(npu_off, off.to(dtype))
+    port = _port("modelslim.pack_input_quant")(scale, off, dtype)
+    assert port[0] is scale and port[1] is off
+
+
+def _case_pack_moe_scale(dtype, g):
+    # npu_grouped_matmul per-token: bfloat16 scales for bfloat16 (and float32, run in bfloat16), float32 for float16
+    s = torch.rand(4, 24, generator=g) * 1e-2
+    want = torch.float32 if dtype == torch.float16 else torch.bfloat16
+    for act in (dtype, torch.float32):
+        packed = _npu("modelslim.pack_moe_scale")(s, act)
+        assert packed.dtype == (want if act == dtype else torch.bfloat16) and torch.equal(packed, s.to(packed.dtype))
+    assert _port("modelslim.pack_moe_scale")(s, dtype) is s
+
+
 def _dynamic_bound(ref, bias, dtype):
     # On the same int8 activations the integer accumulators agree exactly. The portable side rounds
     # acc * s * ws to float32 then once to dtype; the NPU side rounds once to dtype and adds the bias in
@@ -241,8 +261,11 @@ def _case_static_linear(dtype, g, n=24, k=192):
     iscale, ioff = torch.tensor([0.02]), torch.tensor([3.0])
     deq = torch.rand(n, generator=g) * 1e-4 + 1e-6
     qb = torch.randint(-5000, 5000, (n,), generator=g, dtype=torch.int32)
-    y = _npu("modelslim.w8a8_static_linear")(x, _npu("modelslim.pack_weight")(w), iscale, ioff, deq, qb)
-    ref = _port("modelslim.w8a8_static_linear")(x, w, iscale, ioff, deq, qb)
+    npu_scale, npu_off = _npu("modelslim.pack_input_quant")(iscale, ioff, dtype)
+    y = _npu("modelslim.w8a8_static_linear")(x, _npu("modelslim.pack_weight")(w), npu_scale, npu_off, deq, qb)
+    ref = _port("modelslim.w8a8_static_linear")(
+        x, w, *_port("modelslim.pack_input_quant")(iscale, ioff, dtype), deq, qb
+    )
     # The NPU path multiplies by 1/input_scale rounded to x's dtype (npu_quantize takes scales in the
     # input's dtype), the portable path divides in float32: individual int8 activations may differ by one
     # step. Each differing step moves acc[t, n] by |w[n, k]|, so the exact bound on the accumulator is
@@ -278,9 +301,11 @@ def _moe_bound(dtype):
 def _case_moe(dtype, g, e=4, h=64, i=32, t=13, k=2, swiglu_limit=None):
     w13, s13, w2, s2, topk_w, ids = _moe_inputs(g, e, h, i, t, k)
     x = torch.randn(t, h, generator=g).to(dtype)
-    pack = _npu("modelslim.pack_weight")
+    pack, scales = _npu("modelslim.pack_weight"), _npu("modelslim.pack_moe_scale")
     kw = {"swiglu_limit": swiglu_limit}
-    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids, **kw)
+    y = _npu("modelslim.w8a8_dynamic_moe")(
+        x, pack(w13), scales(s13, dtype), pack(w2), scales(s2, dtype), topk_w, ids, **kw
+    )
     ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids, **kw)
     assert y.dtype == dtype and y.shape == (t, h)
     rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -359,6 +384,8 @@ def _case_glm_cache_rows(dtype, g):
 
 TWINS = {
     "modelslim.pack_weight": _case_pack_weight,
+    "modelslim.pack_input_quant": _case_pack_input_quant,
+    "modelslim.pack_moe_scale": _case_pack_moe_scale,
     "modelslim.w8a8_dynamic_linear": _case_dynamic_linear,
     "modelslim.w8a8_static_linear": _case_static_linear,
     "modelslim.w8a8_dynamic_moe": _case_moe,
@@ -491,8 +518,10 @@ def test_npu_moe_routings_match_portable(case, dtype, emulated):
     ids, emap = _routing(case, g, t, k, e)
     x = torch.randn(t, h, generator=g).to(dtype)
     kw = {"expert_map": emap, "apply_router_weight_on_input": case == "weight_on_input"}
-    pack = _npu("modelslim.pack_weight")
-    y = _npu("modelslim.w8a8_dynamic_moe")(x, pack(w13), s13, pack(w2), s2, topk_w, ids, **kw)
+    pack, scales = _npu("modelslim.pack_weight"), _npu("modelslim.pack_moe_scale")
+    y = _npu("modelslim.w8a8_dynamic_moe")(
+        x, pack(w13), scales(s13, dtype), pack(w2), scales(s2, dtype), topk_w, ids, **kw
+    )
     ref = _port("modelslim.w8a8_dynamic_moe")(x, w13, s13, w2, s2, topk_w, ids, **kw)
     assert y.dtype == dtype and y.shape == (t, h)
     rel = ((y.double() - ref.double()).norm() / ref.double().norm()).item()
@@ -570,7 +599,7 @@ def test_static_linear_op_traces_the_npu_layout_under_torch_compile(emulated):
     x = torch.randn(3, k, generator=g).to(torch.bfloat16)
     w = _npu("modelslim.pack_weight")(_int8((n, k), g))
     assert w.shape == (k, n)
-    scale, offset = torch.tensor([0.05]), torch.tensor([3.0])
+    scale, offset = _npu("modelslim.pack_input_quant")(torch.tensor([0.05]), torch.tensor([3.0]), x.dtype)
     deq, qbias = torch.rand(n, generator=g) * 1e-3, torch.randint(-50, 50, (n,), generator=g, dtype=torch.int32)
     op = torch.ops.vllm.ascend_adapters_w8a8_static_linear
     eager = op(x, w, scale, offset, deq, qbias)

@@ -311,7 +311,7 @@ def test_lm_head_must_be_float(vllm_env):
 # -- fused MoE ------------------------------------------------------------------------------------
 
 
-def _moe_layer(qc, e=8, h=64, i=32, top_k=2):
+def _moe_layer(qc, e=8, h=64, i=32, top_k=2, params_dtype=torch.float32):
     from vllm.config import get_current_vllm_config
     from vllm.model_executor.layers.fused_moe import FusedMoEFactory
 
@@ -323,7 +323,7 @@ def _moe_layer(qc, e=8, h=64, i=32, top_k=2):
         intermediate_size=i,
         quant_config=qc,
         prefix="m.mlp.experts",
-        params_dtype=torch.float32,
+        params_dtype=params_dtype,
     )
 
 
@@ -539,3 +539,106 @@ def test_split_fused_experts_and_record_input_ranges():
     assert r["0"] == (min(float(x.min()) for x in xs), max(float(x.max()) for x in xs))
     assert r["2"][0] >= 0  # after ReLU
     assert set(record_input_ranges(model, xs, ["2"])) == {"2"}
+
+
+# -- the NPU path casts its scales once, at load -------------------------------------------------------
+
+
+def _scale_ops(layer, names, call):
+    """The ops ``call`` dispatches that make a new tensor from one of the layer's scale tensors ``names``
+    (a cast, a reciprocal; not a view, nor a ``to`` that returns the tensor itself), outside the torch_npu
+    operators (which read them as they are)."""
+    from ascend_adapters.testing.capture import HostReads
+
+    def storages(tree):
+        leaves = torch.utils._pytree.tree_leaves(tree)
+        return {a.untyped_storage().data_ptr() for a in leaves if isinstance(a, torch.Tensor)}
+
+    scales = storages([getattr(layer, n) for n in names])
+
+    class ScaleOps(HostReads):
+        def __init__(self):
+            super().__init__()
+            self.on_scales: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            in_kernel = self._in_kernel
+            out = super().__torch_dispatch__(func, types, args, kwargs)
+            if not in_kernel and func.namespace == "aten" and storages((args, kwargs)) & scales:
+                if not storages(out) & scales:
+                    self.on_scales.append(str(func))
+            return out
+
+    with ScaleOps() as ops:
+        out = call()
+    assert ops.kernels, "the call did not take the emulated NPU operators"
+    return out, ops.on_scales
+
+
+@pytest.mark.parametrize("kind", ["static", "dynamic", "moe"])
+def test_npu_kernels_cast_no_scale_per_call(vllm_env, kind):
+    """In a bfloat16 model the NPU operators take the activation scale and offset of a static linear
+    (npu_quantize: 1 / scale and the offset in the input's dtype) and the experts' weight scales
+    (npu_grouped_matmul: bfloat16) in another form than the checkpoint's float32: process_weights_after_loading
+    makes that form once (``modelslim.pack_input_quant``, ``modelslim.pack_moe_scale``), so a call
+    dispatches no op on a scale besides views (the old NPU twins cast, and took the reciprocal, on every
+    call). Through the torch_npu contract emulator: CPU tensors take the NPU implementations."""
+    from vllm.model_executor.layers.linear import ReplicatedLinear
+
+    from ascend_adapters.common.quant.linear import encode_deq_scale
+    from ascend_adapters.testing.capture import emulated_npu_kernels
+    from ascend_adapters.testing.modelslim import quantize_weight_per_channel
+
+    g = torch.Generator().manual_seed(5)
+    k, n = 48, 40
+    with emulated_npu_kernels():
+        if kind == "moe":
+            e, h, i = 4, 64, 32
+            types = {f"m.mlp.experts.{x}.{p}.weight": "W8A8_DYNAMIC" for x in range(e) for p in ("gate_proj", "up_proj", "down_proj")}  # fmt: skip
+            experts = _moe_layer(_config(types), e, h, i, params_dtype=torch.bfloat16).routed_experts
+            ckpt = []
+            for x in range(e):
+                for p, shape in (("gate_proj", (i, h)), ("up_proj", (i, h)), ("down_proj", (h, i))):
+                    q, s = quantize_weight_per_channel(torch.randn(*shape, generator=g) * 0.05)
+                    ckpt += [(f"{x}.{p}.weight", q), (f"{x}.{p}.weight_scale", s)]
+                    ckpt.append((f"{x}.{p}.weight_offset", torch.zeros_like(s)))
+            assert "w13_weight_scale" in set(experts.load_weights(ckpt))
+            _finish(experts)
+            xs = torch.randn(7, h, generator=g).to(torch.bfloat16)
+            ids = torch.randint(0, e, (7, 2), generator=g).to(torch.int32)
+            topk_w = torch.rand(7, 2, generator=g)
+
+            def call():
+                return experts.quant_method.apply(experts, xs, topk_w, ids, None, None)
+
+            layer, names = experts, ("w13_weight_scale", "w2_weight_scale")
+        else:
+            qtype = "W8A8" if kind == "static" else "W8A8_DYNAMIC"
+            layer = ReplicatedLinear(
+                k,
+                n,
+                bias=False,
+                quant_config=_config({"m.proj.weight": qtype}),
+                prefix="m.proj",
+                params_dtype=torch.bfloat16,
+            )
+            _load(layer, "weight", torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8))
+            if kind == "static":
+                _load(layer, "deq_scale", encode_deq_scale(torch.rand(n, generator=g) * 1e-4))
+                _load(layer, "quant_bias", torch.randint(-900, 900, (n,), generator=g, dtype=torch.int32))
+                _load(layer, "input_scale", torch.tensor([0.03]))
+                _load(layer, "input_offset", torch.tensor([4.0]))
+                names = ("input_scale", "input_offset", "deq_scale", "quant_bias")
+            else:
+                _load(layer, "weight_scale", torch.rand(n, 1, generator=g) * 1e-2)
+                _load(layer, "weight_offset", torch.zeros(n, 1))
+                names = ("weight_scale",)
+            _finish(layer)
+            xs = torch.randn(5, k, generator=g).to(torch.bfloat16)
+
+            def call():
+                return layer(xs)[0]
+
+        out, on_scales = _scale_ops(layer, names, call)
+    assert out.dtype == torch.bfloat16 and bool(torch.isfinite(out).all())
+    assert on_scales == [], on_scales

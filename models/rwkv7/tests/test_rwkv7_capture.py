@@ -311,3 +311,21 @@ def test_step_with_prefills_reads_no_device_value_on_host(inprocess_model):
     with torch.no_grad(), mode:
         step(*inputs)
     assert mode.seen == [], mode.seen
+
+
+def test_step_with_prefills_copies_nothing_from_the_host_per_layer(inprocess_model):
+    """The WKV chunk kernel of every layer takes the prefills' bounds on the device from the step's
+    metadata (``_Batch.prefill_cu``, made once per step), and the state ops zero rows in place: a step
+    builds no tensor from host data (``aten.lift_fresh``: ``torch.tensor`` of a list, indexing with a
+    list, a Python number assigned into a tensor), on a device each a host-to-device copy. The old code
+    built seven per layer in this step (the kernel's starts, ends and its sequence order twice; three
+    assigned zeros)."""
+    cfg, model = inprocess_model
+    q_lens, lens, rows = [1, 5, 40, 2], [7, 5, 50, 2], [4, 6, 9, 3]  # a decode, then three prompts (reordered)
+    q_cpu = [0, *itertools.accumulate(q_lens)]
+    inputs = _inputs(model, 5, q_cpu, lens, rows)
+    step = _step(cfg, model, q_cpu, 1)
+    mode = HostReads()
+    with torch.no_grad(), mode:
+        step(*inputs)
+    assert mode.ops["aten.lift_fresh.default"] == 0, dict(mode.ops)

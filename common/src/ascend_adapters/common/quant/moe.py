@@ -26,6 +26,7 @@ from ascend_adapters.common.quant.description import DescriptionError
 
 # the kernel ops, looked up once
 _pack_weight = dispatch.op("modelslim.pack_weight")
+_pack_moe_scale = dispatch.op("modelslim.pack_moe_scale")
 _w8a8_dynamic_moe = dispatch.op("modelslim.w8a8_dynamic_moe")
 
 _SUPPORTED_ACTIVATIONS = ("silu", "gelu")
@@ -71,6 +72,7 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
         **extra_weight_attrs,
     ):
         inter = intermediate_size_per_partition
+        layer.modelslim_out_dtype = params_dtype  # the serving dtype: the activations the kernel quantizes
         specs = {
             "w13_weight": ((num_experts, 2 * inter, hidden_size), torch.int8, None),
             "w2_weight": ((num_experts, hidden_size, inter), torch.int8, None),
@@ -117,9 +119,9 @@ class ModelSlimW8A8DynamicMoEMethod(FusedMoEMethodBase):
             if not torch.isfinite(scale).all():
                 raise DescriptionError(f"{self.prefix}: non-finite {side} weight scales")
             delattr(layer, f"{side}_weight_scale")
-            layer.register_parameter(
-                f"{side}_weight_scale", torch.nn.Parameter(scale.squeeze(-1).contiguous(), requires_grad=False)
-            )
+            # in the dtype the kernel takes for the serving dtype, once (a call casts no scale)
+            scale = _pack_moe_scale(scale.squeeze(-1).contiguous(), layer.modelslim_out_dtype)
+            layer.register_parameter(f"{side}_weight_scale", torch.nn.Parameter(scale, requires_grad=False))
             w = getattr(layer, f"{side}_weight").data
             delattr(layer, f"{side}_weight")
             layer.register_parameter(f"{side}_weight", torch.nn.Parameter(_pack_weight(w), requires_grad=False))

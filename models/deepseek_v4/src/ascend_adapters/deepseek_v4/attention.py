@@ -53,7 +53,11 @@ from ascend_adapters.deepseek_v4.memory import (
 )
 from ascend_adapters.deepseek_v4.rope import apply_rope, deepseek_v4_rope
 
-op = dispatch.op
+# the kernel ops, looked up once
+_sink_attention = dispatch.op("dsv4.sink_attention")
+_indexer_scores = dispatch.op("dsv4.indexer_scores")
+_rms_norm = dispatch.op("dsv4.rms_norm")
+_grouped_linear = dispatch.op("dsv4.grouped_linear")
 
 
 def dsv4_attention(
@@ -301,7 +305,7 @@ class DeepseekV4Attention(nn.Module):
         gap = qpos[:, :, None] - kpos[:, None, :]
         allowed = (kpos[:, None, :] >= 0) & (gap >= 0) & (gap < self.window)
         if self.compressor is None:
-            return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale)
+            return _sink_attention(q, keys, allowed, self.sinks, self.scale)
         # every entry a row's requests may hold: as many as the step's longest sequence has
         entries = self.caches[ENTRIES]
         per = entries.rows_per_block
@@ -311,7 +315,7 @@ class DeepseekV4Attention(nn.Module):
         if self.layer_type == LAYER_HCA:
             ent = self._rows_of(ENTRIES, tables, e.expand(q.shape[0], -1)).to(q.dtype)
             keys = torch.cat([keys, ent], dim=1)
-            return op("dsv4.sink_attention")(q, keys, torch.cat([allowed, visible], -1), self.sinks, self.scale)
+            return _sink_attention(q, keys, torch.cat([allowed, visible], -1), self.sinks, self.scale)
         # CSA: the indexer scores every entry; each query attends over the top-k it selects
         ind = self.compressor.indexer
         r = q.shape[0]
@@ -319,10 +323,10 @@ class DeepseekV4Attention(nn.Module):
         qi = apply_rope(self.compress_rotary_emb, qpos.flatten(), qi).view(r, L, ind.n_heads, ind.head_dim)
         w = ind.weights_proj(x.flatten(0, 1)).view(r, L, ind.n_heads)
         index_keys = self._rows_of(INDEX, tables, e.expand(r, -1)).to(q.dtype)
-        scores = op("dsv4.indexer_scores")(qi, index_keys, w, ind.softmax_scale, ind.weights_scale)
+        scores = _indexer_scores(qi, index_keys, w, ind.softmax_scale, ind.weights_scale)
         top = scores.masked_fill(~visible, float("-inf")).topk(min(ind.topk, capacity), dim=-1).indices
         chosen = self._rows_of(ENTRIES, tables, top).to(q.dtype)  # [R, L, k, D]
-        return op("dsv4.sink_attention")(q, keys, allowed, self.sinks, self.scale, chosen, visible.gather(-1, top))
+        return _sink_attention(q, keys, allowed, self.sinks, self.scale, chosen, visible.gather(-1, top))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         t = x.shape[0]
@@ -330,7 +334,7 @@ class DeepseekV4Attention(nn.Module):
         q_a, kv = qkv_a.split([self.config.q_lora_rank, self.head_dim], dim=-1)
         qr = self.q_a_norm(q_a)
         q = self.q_b_proj(qr).view(t, self.n_heads, self.head_dim)
-        q = op("dsv4.rms_norm")(q, None, self.eps)
+        q = _rms_norm(q, None, self.eps)
         q, kv = self.rotary_emb(positions, q, self.kv_norm(kv).unsqueeze(1))
         kv = kv.squeeze(1)
 
@@ -339,5 +343,5 @@ class DeepseekV4Attention(nn.Module):
         # K = V carried rope on its trailing slice: undo it at the query position.
         out = apply_rope(self.rotary_emb, positions, out, inverse=True)
         grouped = out.reshape(t, self.o_groups, -1)
-        o = op("dsv4.grouped_linear")(grouped, self.o_a_proj.weight, self.o_groups)
+        o = _grouped_linear(grouped, self.o_a_proj.weight, self.o_groups)
         return self.o_b_proj(o)

@@ -14,7 +14,8 @@ from vllm.model_executor.layers.linear import ReplicatedLinear
 from ascend_adapters.common import dispatch
 from ascend_adapters.deepseek_v4.rope import apply_rope
 
-op = dispatch.op
+# the kernel ops, looked up once
+_compress_windows = dispatch.op("dsv4.compress_windows")
 
 
 class DeepseekV4Compressor(nn.Module):
@@ -54,5 +55,5 @@ class DeepseekV4Compressor(nn.Module):
         pools, ``kernels.compress_windows``), each rotated at its window's first position
         (``window [N]``: window numbers)."""
         kv, gate = states.chunk(2, dim=-1)
-        pooled = op("dsv4.compress_windows")(kv, gate, self.overlap, self.head_dim, has_prev)
+        pooled = _compress_windows(kv, gate, self.overlap, self.head_dim, has_prev)
         return apply_rope(rope, window * self.rate, self.kv_norm(pooled))

@@ -32,8 +32,11 @@ from ascend_adapters.common import dispatch
 from ascend_adapters.common import kernels as _common_kernels  # noqa: F401  (registers the shared ops)
 from ascend_adapters.common.kernels import experts
 from ascend_adapters.common.loading import FLOAT_DTYPES, guard_dtype
+from ascend_adapters.deepseek_v4 import kernels as _kernels  # noqa: F401  (registers dsv4.route)
 
-op = dispatch.op
+# the kernel ops, looked up once
+_route = dispatch.op("dsv4.route")
+_swiglu = dispatch.op("common.swiglu")
 
 
 class DeepseekV4Router(FusedMoERouter):
@@ -60,7 +63,7 @@ class DeepseekV4Router(FusedMoERouter):
             kw["hash_ids"] = moe.gate.tid2eid[input_ids.long()]
         else:
             kw["bias"] = moe.gate.e_score_correction_bias
-        w, ids = op("dsv4.route")(
+        w, ids = _route(
             router_logits, top_k=moe.top_k, scoring=moe.scoring, scaling=moe.scaling, normalize=moe.normalize, **kw
         )
         if self.capture_fn is not None:
@@ -146,7 +149,7 @@ class ClampedSwiGLU(nn.Module):
         self.limit = limit
 
     def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        return op("common.swiglu")(gate_up, self.limit)
+        return _swiglu(gate_up, self.limit)
 
 
 class DeepseekV4SharedExpert(DeepseekV2MLP):

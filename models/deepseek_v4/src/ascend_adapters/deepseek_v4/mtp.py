@@ -11,11 +11,12 @@ target's hc head) and the embedding of token ``i + 1``:
     logits = head(norm(hc_head(S')))
 
 ``S'`` (flattened to ``[tokens, hc_mult * hidden]``) is the hidden state of the next draft step, which
-reuses the same layer. vLLM's proposer drives it: it reads the target's streams through
-``DeepseekV4ForCausalLM.get_mtp_target_hidden_states`` (and widens its buffer to ``hc_mult * hidden``
-when the draft config has ``compress_ratios`` and ``hc_mult``), installs the target's embedding and
-head, gives the layer's attention a state page of its own and builds its metadata with the layer's
-backend. The embedding at position 0 is zeroed.
+reuses the same layer. vLLM's proposer drives it through ``common.mtp``'s scaffold (the shared head, the
+layer lookup, the target's embedding and head installed by the proposer; the embedding at position 0
+zeroed): it reads the target's streams through ``DeepseekV4ForCausalLM.get_mtp_target_hidden_states``
+(and widens its buffer to ``hc_mult * hidden`` when the draft config has ``compress_ratios`` and
+``hc_mult``), gives the layer's attention a state page of its own and builds its metadata with the
+layer's backend.
 """
 
 from __future__ import annotations
@@ -25,15 +26,14 @@ from collections.abc import Iterable
 
 import torch
 from torch import nn
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.fused_moe import fused_moe_make_expert_params_mapping
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models.utils import maybe_prefix
 
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
+from ascend_adapters.common.mtp import MTPDrafter, MultiTokenPredictor, SharedHead, compile_drafter
 from ascend_adapters.deepseek_v4.config import MTP_LAYER_TYPE, MTP_MLP_TYPE, RELEASE_QUANT_ATTR
 from ascend_adapters.deepseek_v4.dequant import dequantize_release
 from ascend_adapters.deepseek_v4.mhc import hc_ops
@@ -64,13 +64,6 @@ def draft_config(vllm_config: VllmConfig):
     return config
 
 
-class DeepseekV4SharedHead(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.head = None  # the target's lm_head, installed by vLLM's proposer
-
-
 class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
     def __init__(self, quant_config, config, layer_idx: int, prefix: str):
         super().__init__(config, layer_idx, quant_config, prefix)
@@ -85,12 +78,11 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
         self.hc_head.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32), requires_grad=False)
         self.hc_head.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32), requires_grad=False)
         self.hc_head_op = hc_ops(config, torch.get_default_dtype()).head
-        self.shared_head = DeepseekV4SharedHead(config)
+        self.shared_head = SharedHead(config)
 
     def predict(self, input_ids, positions, inputs_embeds, previous_streams):
         h = self.config.hidden_size
         streams = previous_streams.view(-1, self.config.hc_mult, h)
-        inputs_embeds = torch.where(positions[:, None] == 0, 0, inputs_embeds)
         x = self.h_proj(self.hnorm(streams))[0] + self.e_proj(self.enorm(inputs_embeds))[0].unsqueeze(1)
         return self(x, positions, input_ids).flatten(1)
 
@@ -104,22 +96,12 @@ class DeepseekV4MTPLayer(DeepseekV4DecoderLayer):
             hc_eps=self.config.hc_eps,
             norm_eps=self.config.rms_norm_eps,
         )
-        return self.shared_head.norm(h)
+        return self.shared_head(h)
 
 
-class DeepseekV4MultiTokenPredictor(nn.Module):
+class DeepseekV4MultiTokenPredictor(MultiTokenPredictor):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
         config = draft_config(vllm_config)
-        self.config = config
-        self.mtp_start_layer_idx = config.num_hidden_layers
-        self.num_mtp_layers = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-        if self.num_mtp_layers < 1:
-            raise ValueError(
-                "DeepSeek-V4: config.json num_nextn_predict_layers is 0 or missing: this checkpoint has no MTP "
-                "layer to draft with; serve without --speculative-config"
-            )
-        self.embed_tokens = None  # the target's, installed by vLLM's proposer
         quant_config = vllm_config.quant_config
         if quant_config is not None:
             # a quantized export names the MTP layer mtp.K.*: the drafter's own copy of the quantization
@@ -127,9 +109,11 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
             # DeepseekV4ForCausalLM.hf_to_vllm_mapper (the config vLLM hands over, the target's, is left as is)
             quant_config = copy.deepcopy(quant_config)
             quant_config.apply_vllm_mapper(mtp_weights_mapper(config))
-        ids = range(self.mtp_start_layer_idx, self.mtp_start_layer_idx + self.num_mtp_layers)
-        self.layers = nn.ModuleDict(
-            {str(i): DeepseekV4MTPLayer(quant_config, config, i, prefix=f"{prefix}.layers.{i}") for i in ids}
+        super().__init__(
+            config,
+            lambda i, layer_prefix: DeepseekV4MTPLayer(quant_config, config, i, prefix=layer_prefix),
+            what="DeepSeek-V4",
+            prefix=prefix,
         )
         self.expert_mapping = fused_moe_make_expert_params_mapping(
             self,
@@ -138,9 +122,6 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
             ckpt_up_proj_name=EXPERT_UP,
             num_experts=config.n_routed_experts,
         )
-
-    def layer(self, spec_step_idx: int) -> DeepseekV4MTPLayer:
-        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_module_tensors(
@@ -152,37 +133,14 @@ class DeepseekV4MultiTokenPredictor(nn.Module):
         )
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "inputs_embeds": 0})
-class DeepseekV4MTP(nn.Module):
+@compile_drafter
+class DeepseekV4MTP(MTPDrafter):
     """vLLM's MTP drafter for ``DeepseekV4ForCausalLM`` checkpoints (see the module doc)."""
 
     packed_modules_mapping = {"wqkv_a": ["q_a_proj", "kv_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        self.model = DeepseekV4MultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.config = self.model.config
-        self.logits_processor = LogitsProcessor(self.config.vocab_size)
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors=None,
-        inputs_embeds: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
-        return self.model.layer(spec_step_idx).predict(input_ids, positions, inputs_embeds, hidden_states)
-
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
-        layer = self.model.layer(spec_step_idx)
-        return self.logits_processor(layer.shared_head.head, layer.head_hidden(hidden_states))
+        super().__init__(DeepseekV4MultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         release = getattr(self.config, RELEASE_QUANT_ATTR, None)

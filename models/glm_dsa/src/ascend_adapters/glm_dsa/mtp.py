@@ -9,11 +9,10 @@ takes the target's final hidden state ``h_i`` and the embedding of token ``i + 1
     x_i = eh_proj([enorm(embed(t_{i+1})); hnorm(h_i)]),   y = layer(x),   logits = head(shared_head.norm(y)),
 
 and its output ``y`` (before the norm) is the hidden state of the next draft step, which reuses the same
-layer. vLLM's proposer drives it: it builds the draft with this class, installs the target's
-``embed_tokens`` and ``lm_head`` in it (``model.embed_tokens``, each layer's ``shared_head.head``; so the
-checkpoint's copies are not loaded), gives the layer's attention a paged cache of its own and builds its
-metadata with the layer's backend. The embedding at position 0 is zeroed, as vLLM's, SGLang's and
-vllm-ascend's DeepSeek MTP do.
+layer. vLLM's proposer drives it through ``common.mtp``'s scaffold (the shared head, the layer lookup, the
+target's embedding and head installed by the proposer, so the checkpoint's copies are not loaded; the
+embedding at position 0 zeroed); it gives the layer's attention a paged cache of its own and builds its
+metadata with the layer's backend.
 
 The decoder layer is the adapter's own (``GlmDsaDecoderLayer``: latent MLA with the DSA indexer, vLLM's
 MoE); vLLM's DeepSeek-V3.2 MTP cannot run beside this adapter's attention. The MTP layer's attention is a
@@ -25,15 +24,13 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
-from torch import nn
-from vllm.compilation.decorators import support_torch_compile
 from vllm.config import VllmConfig
 from vllm.model_executor.layers.layernorm import RMSNorm
 from vllm.model_executor.layers.linear import ReplicatedLinear
-from vllm.model_executor.layers.logits_processor import LogitsProcessor
 from vllm.model_executor.models.utils import maybe_prefix
 
 from ascend_adapters.common.loading import load_checkpoint
+from ascend_adapters.common.mtp import MTPDrafter, MultiTokenPredictor, SharedHead, compile_drafter
 from ascend_adapters.glm_dsa import remap
 from ascend_adapters.glm_dsa.config import AttentionMode, GlmDsaConfigError, choose_attention_mode
 from ascend_adapters.glm_dsa.model import GlmDsaDecoderLayer, expert_params_mapping, load_layer_tensors
@@ -49,16 +46,6 @@ def draft_config(vllm_config: VllmConfig):
     return vllm_config.model_config.hf_text_config
 
 
-class GlmDsaSharedHead(nn.Module):
-    """``shared_head``: the final norm of the MTP layer; ``head`` is the target's ``lm_head``, installed by
-    vLLM's proposer after loading."""
-
-    def __init__(self, config):
-        super().__init__()
-        self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.head = None
-
-
 class GlmDsaMTPLayer(GlmDsaDecoderLayer):
     """A decoder layer (checkpoint names ``model.layers.<n>.{self_attn,mlp,...}``) with the MTP input
     projection and the shared head."""
@@ -71,80 +58,52 @@ class GlmDsaMTPLayer(GlmDsaDecoderLayer):
         self.eh_proj = ReplicatedLinear(
             2 * h, h, bias=False, quant_config=vllm_config.quant_config, prefix=f"{prefix}.eh_proj"
         )
-        self.shared_head = GlmDsaSharedHead(config)
+        self.shared_head = SharedHead(config)
 
     def predict(
-        self, positions: torch.Tensor, inputs_embeds: torch.Tensor, previous_hidden_states: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        inputs_embeds: torch.Tensor,
+        previous_hidden_states: torch.Tensor,
     ) -> torch.Tensor:
-        inputs_embeds = torch.where(positions[:, None] == 0, 0, inputs_embeds)
         x = torch.cat([self.enorm(inputs_embeds), self.hnorm(previous_hidden_states)], dim=-1)
         hidden_states, residual, _ = self(positions, self.eh_proj(x)[0], None, None)
         return hidden_states + residual
 
+    def head_hidden(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self.shared_head(hidden_states)
 
-class GlmDsaMultiTokenPredictor(nn.Module):
+
+class GlmDsaMultiTokenPredictor(MultiTokenPredictor):
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
         config = draft_config(vllm_config)
-        self.config = config
-        num_mtp = int(getattr(config, "num_nextn_predict_layers", 0) or 0)
-        if num_mtp < 1:
-            raise GlmDsaConfigError(
-                "config.json num_nextn_predict_layers is 0 or missing: this checkpoint has no MTP layer to "
-                "draft with; serve without --speculative-config"
-            )
-        self.mode = choose_attention_mode(config, vllm_config.model_config.max_model_len)
-        self.mtp_start_layer_idx = config.num_hidden_layers
-        self.num_mtp_layers = num_mtp
-        self.embed_tokens = None  # the target's, installed by vLLM's proposer
-        ids = range(self.mtp_start_layer_idx, self.mtp_start_layer_idx + num_mtp)
-        self.layers = nn.ModuleDict(
-            {str(i): GlmDsaMTPLayer(vllm_config, config, i, self.mode, prefix=f"{prefix}.layers.{i}") for i in ids}
+        mode = choose_attention_mode(config, vllm_config.model_config.max_model_len)
+        super().__init__(
+            config,
+            lambda i, layer_prefix: GlmDsaMTPLayer(vllm_config, config, i, mode, prefix=layer_prefix),
+            what="GLM-DSA",
+            prefix=prefix,
+            error=GlmDsaConfigError,
         )
+        self.mode = mode
         self.expert_params_mapping = expert_params_mapping(self, config)
-
-    def layer(self, spec_step_idx: int) -> GlmDsaMTPLayer:
-        return self.layers[str(self.mtp_start_layer_idx + spec_step_idx % self.num_mtp_layers)]
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         return load_layer_tensors(self, weights)
 
 
-@support_torch_compile(dynamic_arg_dims={"input_ids": 0, "positions": -1, "hidden_states": 0, "inputs_embeds": 0})
-class GlmMoeDsaMTP(nn.Module):
+@compile_drafter
+class GlmMoeDsaMTP(MTPDrafter):
     """vLLM's MTP drafter for ``GlmMoeDsaForCausalLM`` checkpoints (see the module doc)."""
 
     packed_modules_mapping = {"gate_up_proj": ["gate_proj", "up_proj"]}
 
     def __init__(self, *, vllm_config: VllmConfig, prefix: str = ""):
-        super().__init__()
-        config = draft_config(vllm_config)
-        self.config = config
-        self.model = GlmDsaMultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
-        self.logits_processor = LogitsProcessor(config.vocab_size)
+        super().__init__(GlmDsaMultiTokenPredictor(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model")))
         self.skip_rules = remap.mtp_skip_rules(
-            config.num_hidden_layers, self.model.num_mtp_layers, dense=self.model.mode is AttentionMode.DENSE
+            self.config.num_hidden_layers, self.model.num_mtp_layers, dense=self.model.mode is AttentionMode.DENSE
         )
-
-    def embed_input_ids(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        hidden_states: torch.Tensor,
-        intermediate_tensors=None,
-        inputs_embeds: torch.Tensor | None = None,
-        spec_step_idx: int = 0,
-    ) -> torch.Tensor:
-        if inputs_embeds is None:
-            inputs_embeds = self.model.embed_tokens(input_ids)
-        return self.model.layer(spec_step_idx).predict(positions, inputs_embeds, hidden_states)
-
-    def compute_logits(self, hidden_states: torch.Tensor, spec_step_idx: int = 0) -> torch.Tensor | None:
-        head = self.model.layer(spec_step_idx).shared_head
-        return self.logits_processor(head.head, head.norm(hidden_states))
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         loaded = load_checkpoint(

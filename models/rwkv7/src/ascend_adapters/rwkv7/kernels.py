@@ -106,7 +106,8 @@ def wkv7_chunk(
     sequences concatenated, ``[T, H, N]``; ``cu_seqlens`` ``[B + 1]`` holds each sequence's start
     offset (``None``: one sequence), ``cu_seqlens_cpu`` the same on the host (fla's name; a sequence
     of ints reads nothing from a device), which the kernel plans its chunks from when given (else it
-    reads ``cu_seqlens``); ``initial_state`` ``[B, H, N, N]`` float32 (value, key; fla
+    reads ``cu_seqlens``); with both, the sequences' bounds on the device come from ``cu_seqlens`` (no
+    copy from the host: a model passes both, once per step, to every layer); ``initial_state`` ``[B, H, N, N]`` float32 (value, key; fla
     keeps key first) is each sequence's state before its tokens (``None``: zeros). ``w`` is the
     decay itself, not its log. Returns ``(y [T, H, N] float32, final state [B, H, N, N] or None)``;
     the inputs are not modified.
@@ -127,11 +128,18 @@ def wkv7_chunk(
     B = len(cu) - 1
     n_chunks = [(cu[i + 1] - cu[i] + L - 1) // L for i in range(B)]
     order = sorted(range(B), key=lambda i: -n_chunks[i])
+    # the same order and bounds on the device: from ``cu_seqlens`` when given (no copy from the host; a
+    # stable sort, like the host's), else copied once from the host plan
+    if cu_seqlens is not None:
+        cu_dev = cu_seqlens.to(device=dev, dtype=torch.long)
+        order_dev = torch.argsort((cu_dev[1:] - cu_dev[:-1] + L - 1) // L, descending=True, stable=True)
+    else:
+        cu_dev = torch.tensor(cu, device=dev)
+        order_dev = torch.tensor(order, device=dev)
+    starts, ends = cu_dev[:-1][order_dev], cu_dev[1:][order_dev]
     S = torch.zeros(B, H, N, N, dtype=torch.float32, device=dev) if initial_state is None else initial_state.float()
-    S = S[order].clone() if order != list(range(B)) else S.clone()
+    S = S[order_dev]  # a copy: the inputs are not modified
     y = torch.empty(T + 1, H, N, dtype=torch.float32, device=dev)  # row T: where padding positions go
-    starts = torch.tensor([cu[i] for i in order], device=dev)
-    ends = torch.tensor([cu[i + 1] for i in order], device=dev)
     idx = torch.arange(L, device=dev)
     strict = idx[:, None] > idx[None, :]  # s < t
     incl = idx[:, None] >= idx[None, :]  # s <= t
@@ -186,5 +194,5 @@ def wkv7_chunk(
     if not output_final_state:
         return y[:T], None
     final = torch.empty_like(S)
-    final[order] = S
+    final[order_dev] = S
     return y[:T], final

@@ -234,6 +234,7 @@ class _Batch:
     prefill_seq_lens: torch.Tensor  # [np] tokens consumed after this step
     prefill_first: torch.Tensor  # [np] flat index of each prefill's first token
     prefill_last: torch.Tensor  # [np] and of its last
+    prefill_cu: torch.Tensor  # [np + 1] device: prefill starts relative to the first prefill (the chunk kernel's)
     prefill_bounds: tuple[int, ...] | None = None  # [np + 1] host: prefill starts relative to the first prefill
 
     @property
@@ -295,6 +296,7 @@ class _Batch:
             prefill_seq_lens=seq_lens[nd:],
             prefill_first=qsl[nd:num_reqs],
             prefill_last=qsl[nd + 1 :] - 1,
+            prefill_cu=qsl[nd:] - qsl[nd],
         )
         return cls(**batch, prefill_bounds=md.prefill_bounds if npf else None)
 
@@ -508,7 +510,7 @@ class Rwkv7Block(nn.Module, MambaBase):
 
     def token_shift(self, x: torch.Tensor, prev: torch.Tensor, state_index: int) -> None:
         batch = self._step()
-        prev[0] = 0
+        prev[0].zero_()
         prev[1:] = x[:-1]
         if batch is None:
             return
@@ -533,7 +535,7 @@ class Rwkv7Block(nn.Module, MambaBase):
             return
         wkv_state = self.kv_cache[1]
         nd, nt, n = batch.num_decodes, batch.num_decode_tokens, batch.num_tokens
-        y[n:] = 0  # padding rows
+        y[n:].zero_()  # padding rows
         if nd:
             # token j of every decode in one batched step; under speculation the state after each token
             # is kept in its own row, so the next step starts from the last accepted one
@@ -562,6 +564,7 @@ class Rwkv7Block(nn.Module, MambaBase):
                 a[nt:n],
                 b[nt:n],
                 _stored(wkv_state, slots, batch.prefill_fresh),
+                cu_seqlens=batch.prefill_cu,
                 cu_seqlens_cpu=batch.prefill_bounds,
             )
             wkv_state[slots] = final

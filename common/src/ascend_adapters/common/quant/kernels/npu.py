@@ -6,7 +6,9 @@ Calls to the Ascend operators vllm-ascend uses for the same formats:
 common.kernels), and for the MoE's routing ``npu_moe_init_routing_v2`` and
 ``npu_moe_token_unpermute`` (through common.kernels.experts: fixed shapes, no
 host read). Weights are pre-transposed to ``[K, N]`` (``[E, K, N]`` for
-experts) once after loading by ``pack_weight``.
+experts) once after loading by ``pack_weight``, and the scales are cast once
+after loading to the form each operator takes for the layer's activation dtype
+(``pack_input_quant``, ``pack_moe_scale``): a call casts no scale.
 
 Each call keeps to the operator's documented contract (Ascend op-plugin,
 docs/zh/custom_APIs/torch_npu/*.md); the contracts are checked on CPU by the
@@ -39,6 +41,31 @@ QMM_MAX_LAST_DIM = 65535
 @dispatch.npu("modelslim.pack_weight")
 def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.transpose(-1, -2).contiguous()
+
+
+@dispatch.npu("modelslim.pack_input_quant")
+def pack_input_quant(
+    input_scale: torch.Tensor, input_offset: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """npu_quantize (div_mode False) multiplies by its scales and adds its zero points, both in the
+    input's dtype: ``1 / input_scale`` and ``input_offset`` as ``dtype`` ``[1]``."""
+    return (1.0 / input_scale.float()).to(dtype).reshape(1), input_offset.to(dtype).reshape(1)
+
+
+def _moe_dtypes(dtype: torch.dtype) -> tuple[torch.dtype, torch.dtype]:
+    """(compute dtype, weight-scale dtype) of the W8A8 experts for ``dtype`` activations.
+
+    npu_grouped_matmul Table 2 (per-token): a bfloat16 scale gives bfloat16, a float32 scale float16;
+    there is no float32 output, so float32 activations run in bfloat16 and are cast back."""
+    cdt = torch.bfloat16 if dtype == torch.float32 else dtype
+    return cdt, (torch.bfloat16 if cdt == torch.bfloat16 else torch.float32)
+
+
+@dispatch.npu("modelslim.pack_moe_scale")
+def pack_moe_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An expert projection's ``[E, N]`` weight scales in the dtype npu_grouped_matmul takes for ``dtype``
+    activations (``_moe_dtypes``)."""
+    return scale.to(_moe_dtypes(dtype)[1]).contiguous()
 
 
 def _blocks(n: int, size: int = QMM_MAX_LAST_DIM) -> list[slice]:
@@ -112,10 +139,9 @@ def w8a8_static_linear(
     shape = x.shape
     K, N = weight.shape
     x2 = x.reshape(-1, shape[-1])
-    # npu_quantize (div_mode False): scales and zero_points in the input's dtype
-    inv = (1.0 / input_scale.float()).to(x.dtype).reshape(1)
-    off = input_offset.to(x.dtype).reshape(1)
-    xq = torch_npu.npu_quantize(x2, inv, off, torch.qint8, -1, False)
+    # npu_quantize (div_mode False): scales and zero_points in the input's dtype, as pack_input_quant
+    # made them at load (input_scale is 1 / the checkpoint's scale)
+    xq = torch_npu.npu_quantize(x2, input_scale, input_offset, torch.qint8, -1, False)
     deq = deq_scale.reshape(-1).float()
     if x.dtype == torch.float32 or K > QMM_MAX_LAST_DIM:
         acc = _int32_matmul(xq, weight)
@@ -153,7 +179,8 @@ def w8a8_dynamic_moe(
     apply_router_weight_on_input: bool = False,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
-    """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``.
+    """``w13 [E, H, 2I]`` / ``w2 [E, I, H]`` int8 (packed by ``pack_weight``), scales ``[E, 2I]`` / ``[E, H]``
+    (cast by ``pack_moe_scale`` for x's dtype).
 
     Fixed shapes, no host read (``common.kernels.experts``, NPU twin): ``npu_moe_init_routing_v2`` sorts
     all T*k routes, ``npu_dynamic_quant`` quantizes the sorted rows (routing unquantized, then quantizing,
@@ -170,10 +197,7 @@ def w8a8_dynamic_moe(
         raise ValueError(f"W8A8_DYNAMIC MoE on NPU: packed w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} for H={H}")
     if T == 0:
         return torch.zeros_like(x)
-    # npu_grouped_matmul Table 2 (per-token): a bfloat16 scale gives bfloat16, a float32 scale float16;
-    # there is no float32 output, so float32 activations run in bfloat16 and are cast back.
-    cdt = torch.bfloat16 if x.dtype == torch.float32 else x.dtype
-    sdt = torch.bfloat16 if cdt == torch.bfloat16 else torch.float32
+    cdt = _moe_dtypes(x.dtype)[0]  # the scales are already in the dtype it takes (pack_moe_scale)
     k = topk_ids.shape[-1]
     wts = topk_weights.reshape(T, k).float()
     routes = npu_sort_routes(torch_npu, x.to(cdt), topk_ids, E, expert_map)
@@ -188,7 +212,7 @@ def w8a8_dynamic_moe(
         return torch_npu.npu_grouped_matmul(
             x=[a],
             weight=[w],
-            scale=[w_scale.to(sdt)],
+            scale=[w_scale],
             per_token_scale=[a_scale],
             split_item=2,
             group_list_type=0,

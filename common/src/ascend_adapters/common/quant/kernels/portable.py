@@ -94,6 +94,22 @@ def pack_weight(weight: torch.Tensor) -> torch.Tensor:
     return weight.contiguous()
 
 
+@dispatch.portable("modelslim.pack_input_quant")
+def pack_input_quant(
+    input_scale: torch.Tensor, input_offset: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel form of a static layer's activation scale and offset (float32 ``[1]``) for ``dtype``
+    activations: unchanged on the portable path (it divides by the scale in float32)."""
+    return input_scale, input_offset
+
+
+@dispatch.portable("modelslim.pack_moe_scale")
+def pack_moe_scale(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Kernel form of an expert projection's float32 ``[E, N]`` weight scales for ``dtype`` activations:
+    unchanged on the portable path (it scales in float32)."""
+    return scale
+
+
 _ONEDNN_OK: bool | None = None  # None: ask compat once; tests set False to take the torch path
 
 
