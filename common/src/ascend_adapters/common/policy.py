@@ -219,9 +219,14 @@ def route_mtp_draft(
 
 
 # common's routed-expert ops (common.kernels.experts, common.quant.moe): opaque calls of a known output
-# shape, run between the compiled pieces like the adapters' attention and state ops (they read nothing
-# on the host, so a whole captured decode step may hold them)
-EXPERT_OPS = ("vllm::ascend_adapters_swiglu_experts", "vllm::ascend_adapters_w8a8_dynamic_moe")
+# shape, run between the compiled pieces like the adapters' attention and state ops (the float and W8A8
+# ops read nothing on the host, so a whole captured decode step may hold them; the vLLM-CPU engine path
+# reads its groups' bounds on the host and serves only the CPU, which captures no graph)
+EXPERT_OPS = (
+    "vllm::ascend_adapters_swiglu_experts",
+    "vllm::ascend_adapters_w8a8_dynamic_moe",
+    "vllm::ascend_adapters_engine_swiglu_experts",
+)
 
 
 def adapter_splitting_ops(ops: Iterable[str]) -> list[str]:

@@ -371,8 +371,8 @@ def engine_swiglu_experts_forward(
 # The routed experts are registered opaque ops: vLLM's torch.compile sees one call of a known output
 # shape (x's), and piecewise graph capture runs them eagerly between pieces (common.policy lists them
 # as splitting ops). Their bodies read nothing on the host and dispatch a fixed op sequence
-# (common/tests/test_experts_capture.py), so they could be captured with the rest of a step. Model code
-# calls the experts through them.
+# (common/tests/test_experts_capture.py), so they could be captured with the rest of a step; the vLLM-CPU
+# engine op (above) is the exception, on the CPU only. Model code calls the experts through them.
 _swiglu_experts = dispatch.op("common.swiglu_experts")
 
 
