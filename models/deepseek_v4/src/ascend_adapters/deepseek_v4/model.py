@@ -279,7 +279,10 @@ def _check_description_covered(model: nn.Module, quant_config) -> None:
 
 def resident_weight_bytes(model: nn.Module) -> int:
     """Bytes of every parameter and buffer of a loaded model (for benchmarks via ``LLM.apply_model``),
-    plus the engine-held prepacked copies of W8A8_DYNAMIC linears (their plain weights are released)."""
+    plus the engine-held prepacked copies whose plain weights are released: W8A8_DYNAMIC linears
+    (``modelslim_engine_linear``) and float routed experts on vLLM-CPU (``engine_experts``)."""
     tensors = sum(t.numel() * t.element_size() for t in list(model.parameters()) + list(model.buffers()))
-    engine_linears = (getattr(m, "modelslim_engine_linear", None) for m in model.modules())
-    return tensors + sum(e.nbytes for e in engine_linears if e is not None)
+    engine_held = (
+        getattr(m, name, None) for m in model.modules() for name in ("modelslim_engine_linear", "engine_experts")
+    )
+    return tensors + sum(e.nbytes for e in engine_held if e is not None)
