@@ -306,7 +306,7 @@ class EngineSwigluExperts:
     linears do). ``handles13`` / ``handles2``: ``[E]`` int64, each expert's handle."""
 
     def __init__(self, ops, w13: torch.Tensor, w2: torch.Tensor):
-        self.num_experts, self.width13, self.hidden = w13.shape[0], w13.shape[1], w2.shape[1]
+        self.width13, self.hidden = w13.shape[1], w2.shape[1]
         # the handle objects release their oneDNN primitive when collected: kept for the layer's life
         self._handles = [[ops.create_onednn_mm(w[e].t()) for e in range(w.shape[0])] for w in (w13, w2)]
         self.handles13, self.handles2 = (torch.stack([h.handler_tensor for h in hs]) for hs in self._handles)
