@@ -12,6 +12,8 @@
                          runs there, since every gate on every engine does not fit CI's time
     nox -s common rwkv7 glm_dsa deepseek_v4   one package (+ common) in its own venv
     nox -s lint          ruff check + format check
+    nox -s soak          each adapter served for 10 minutes under 32 clients' mixed traffic (`-- --minutes N
+                         --model NAME`), its record in evidence/<model>/soak.json
     nox -s bench         benchmarks, as ratios against peers measured in the same run
     nox -s decode_scaling   the decode scaling bench alone (batch 1/8/32 per adapter beside vLLM's own model)
     nox -s evidence      rewrites evidence/ (dev/regen.sh): the benches at idle, then every test on the
@@ -505,6 +507,18 @@ def demo(session: nox.Session) -> None:
     """
     python = provision(session, "all", list(PACKAGES))
     session.run(str(python), "-m", "ascend_adapters.common.demo", *session.posargs, env=TEST_ENV, external=True)
+
+
+@nox.session
+def soak(session: nox.Session) -> None:
+    """Each adapter's tiny checkpoint behind `vllm serve` under 32 concurrent clients' mixed, seeded traffic
+    (ascend_adapters.testing.soak): `-- --minutes N` (default 10 per adapter), `-- --model NAME` (repeatable;
+    default all three). Every greedy answer equals the same request served alone, no 5xx, RSS within its
+    derived bound; the record (vLLM's prefix-cache, preemption and draft counters in it) goes to
+    evidence/<model>/soak.json. The test command runs a 40-second form of each (common/tests/test_soak.py)."""
+    python = provision(session, "all", list(PACKAGES))
+    args = ["--evidence-dir", str(ROOT / "evidence"), *session.posargs]
+    session.run(str(python), "-m", "ascend_adapters.testing.soak", *args, env=TEST_ENV, external=True)
 
 
 @nox.session

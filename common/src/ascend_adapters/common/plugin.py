@@ -41,3 +41,12 @@ def register() -> None:
     # an engine that dies while serving (a worker killed, ...): `vllm serve` exits non-zero with one line
     # naming the cause (vLLM itself exits 0)
     compat.exit_nonzero_on_engine_death()
+
+    from ascend_adapters.common import cpu_patches
+
+    # a request with a `seed` whose prompt takes more than one prefill step: vLLM-CPU's rewind of its generator
+    # kills the engine, for every model
+    cpu_patches.keep_seeded_sampling_across_partial_prefills()
+    # speculative decoding with greedy and sampled requests in one step: vLLM-CPU divided every request's logits
+    # by uninitialised memory in place of the temperatures, greedy ones included
+    cpu_patches.expand_sampling_parameters_per_token()
