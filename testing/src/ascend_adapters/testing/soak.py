@@ -4,9 +4,9 @@
 
 The server runs as a user deploys it: the OpenAI server, prefix caching on, the adapter's speculative method
 where it combines with prefix caching (GLM-DSA and DeepSeek-V4: their own MTP layer; RWKV-7 refuses n-gram
-drafts with prefix caching, see its policy), more concurrent clients than ``--max-num-seqs`` and a KV cache that
-holds fewer tokens than they ask for at once, so requests queue and are preempted. Each client sends a bounded,
-seeded mix (``traffic``):
+drafts with prefix caching, see its policy), twice as many concurrent clients as ``--max-num-seqs``, so requests
+queue (preemptions, where the KV cache runs short, are counted). Each client sends a bounded, seeded mix
+(``traffic``):
 
 * greedy completions from a fixed pool (``GREEDY_POOL`` requests): streaming or not, prompts of 1 token to
   several times the model's longest window, many sharing one of three prefixes, some with stop strings, some
@@ -44,6 +44,7 @@ MAX_NUM_SEQS = 16
 MAX_MODEL_LEN = 1024
 GREEDY_POOL = 48
 LONG_PREFIX = 400
+CHAT_WORDS = 100  # a chat message's words at most: with the chat template it stays well inside MAX_MODEL_LEN
 SAMPLE_EVERY_S = 2.0
 # Two float32 runs of one request in different batches reduce in different orders: each logit moves by about
 # k * 2**-24 * sum|terms| for a k-term sum. The tiny models' logits are O(10) and their sums run over a few
@@ -139,7 +140,7 @@ def greedy_pool(served: ServedModel, seed: int) -> list[dict]:
         if rng.random() < 0.25:
             req["stop"] = [rng.choice(["e", "a", " t", "s"])]
         if i % 8 == 7:
-            req = {"kind": "chat", "messages": [{"role": "user", "content": f"item {i}: " + "word " * tail_len}],
+            req = {"kind": "chat", "messages": [{"role": "user", "content": f"item {i}: " + "word " * min(tail_len, CHAT_WORDS)}],
                    "max_tokens": req["max_tokens"], "temperature": 0.0, "logprobs": True, "top_logprobs": 2}  # fmt: skip
         else:
             req = {"kind": "completion", "prompt": prompt, **req}
