@@ -87,7 +87,7 @@ CAPABILITY_GATES = (
 # prefix caching, DeepSeek-V4's fitted-MTP and 1M-context gates, the quant layer's TP, compiled and MoE gates.
 FAST_SERVED_GATES = (
     # The soak's short form: each adapter behind `vllm serve`, 40 s of 32 clients' mixed traffic, every greedy
-    # answer equal to it served alone, no 5xx, RSS bound (`nox -s soak`: 10 minutes each): ~300 s
+    # answer equal to it served alone, no 5xx (RSS recorded; `nox -s soak` checks it over 10 minutes each): ~300 s
     "common/tests/test_soak.py",
     # DeepSeek-V4 compiled (vLLM's compile counter in each rank) + TP=2 + parity alone, batched, chunked: 135 s
     "models/deepseek_v4/tests/test_deepseek_v4_compiled.py::test_compiled_tp2_parity",

@@ -52,6 +52,10 @@ SAMPLE_EVERY_S = 2.0
 TIE_LOGPROB = 1e-3
 # Warm-up: the first part of a run fills the prefix cache, the allocator's pools and vLLM's own caches.
 WARMUP_FRACTION = 0.25
+# RSS is checked on runs this long or longer: the workers' RSS settles over the first minutes (in the 10-minute
+# records, DeepSeek-V4's worker rose from 1,371 MiB at 30 s to 1,434 MiB at 240 s and stayed there), so a
+# shorter run's growth is still its warm-up; its RSS is recorded, the check is left to `nox -s soak`.
+RSS_CHECK_MINUTES = 5.0
 
 
 @dataclass
@@ -66,13 +70,14 @@ class ServedModel:
     not_run: list[tuple[str, str]] = field(default_factory=list)
 
 
-def make_checkpoint(name: str, out: Path, speculative: bool = True) -> ServedModel:
+def make_checkpoint(name: str, out: Path, speculative: bool = True, eager: bool = False) -> ServedModel:
     """The adapter's tiny checkpoint with a tokenizer (stop strings and chat need one) and its serve flags."""
     args = [
         "--dtype", "float32",
         "--max-model-len", str(MAX_MODEL_LEN),
         "--max-num-seqs", str(MAX_NUM_SEQS),
         "--enable-prefix-caching",
+        *(["--enforce-eager"] if eager else []),
     ]  # fmt: skip
     not_run = []
     if name == "rwkv7":
@@ -456,12 +461,13 @@ def soak(
     gate: str = "soak",
     speculative: bool = True,
     mix: dict | None = None,
+    eager: bool = False,
 ):
     from ascend_adapters.common.evidence import EvidenceRecord
     from ascend_adapters.common.server import VllmServer
 
     workdir.mkdir(parents=True, exist_ok=True)
-    served = make_checkpoint(name, workdir / "ckpt", speculative)
+    served = make_checkpoint(name, workdir / "ckpt", speculative, eager)
     rec = EvidenceRecord(model=name, gate=gate)
     pool = greedy_pool(served, seed)
     srv = VllmServer(served.model_dir, served.serve_args, startup_timeout=900, log_path=workdir / "serve.log",
@@ -586,8 +592,12 @@ def soak(
     }
     rec.check("greedy_equals_alone", compared > 0 and not mismatches, {"compared": compared, "equal": equal,
               "near_ties": len(ties), "mismatches": mismatches[:10], "mismatched_pool_entries": mismatched_entries})  # fmt: skip
-    rec.check("rss_growth_within_bound", worst is not None and worst < bound,
-              {"worst_growth_bytes": worst, "bound_bytes": bound})  # fmt: skip
+    if minutes >= RSS_CHECK_MINUTES:
+        rec.check("rss_growth_within_bound", worst is not None and worst < bound,
+                  {"worst_growth_bytes": worst, "bound_bytes": bound})  # fmt: skip
+    else:
+        rec.skip("rss_growth_within_bound", f"a {minutes:.2f}-minute run ends inside the workers' warm-up; "
+                 f"checked on runs of {RSS_CHECK_MINUTES:.0f} minutes or more (nox -s soak)")  # fmt: skip
     rec.check("every_vllm_counter_read", all(counters[k] is not None for k in ("prefix_cache_queries", "preemptions")),
               {k: v for k, v in counters.items() if v is None} or None)  # fmt: skip
     if served.speculative:
