@@ -331,28 +331,35 @@ class RssSampler(threading.Thread):
             self.stop_event.wait(SAMPLE_EVERY_S)
 
 
-def rss_series_mib(samples: list, points: int = 20) -> dict[int, list]:
-    """Per process, about ``points`` (seconds, MiB) pairs spread over the run: the record's view of any creep."""
+def samples_by_pid(samples: list, from_s: float = 0.0) -> dict[int, list]:
+    """The (seconds, bytes) samples of each process, those at ``from_s`` or later."""
     by_pid: dict[int, list] = {}
     for t, pid, rss in samples:
-        by_pid.setdefault(pid, []).append((round(t), round(rss / 2**20, 1)))
-    return {pid: series[:: max(1, len(series) // points)] + series[-1:] for pid, series in by_pid.items()}
+        if t >= from_s:
+            by_pid.setdefault(pid, []).append((t, rss))
+    return by_pid
+
+
+def rss_series_mib(samples: list, points: int = 20) -> dict[int, list]:
+    """Per process, about ``points`` (seconds, MiB) pairs spread over the run: the record's view of any creep."""
+    out = {}
+    for pid, series in samples_by_pid(samples).items():
+        rounded = [(round(t), round(rss / 2**20, 1)) for t, rss in series]
+        out[pid] = rounded[:: max(1, len(rounded) // points)] + rounded[-1:]
+    return out
 
 
 def rss_growth(samples: list, warm_from_s: float, end_s: float) -> dict[int, dict]:
     """Per process: the median RSS of the first and of the last minute-or-tenth after warm-up, and the growth."""
     span = max(SAMPLE_EVERY_S * 3, min(60.0, (end_s - warm_from_s) / 10))
-    by_pid: dict[int, list] = {}
-    for t, pid, rss in samples:
-        if t >= warm_from_s:
-            by_pid.setdefault(pid, []).append((t, rss))
     out = {}
-    for pid, series in by_pid.items():
+    for pid, series in samples_by_pid(samples, warm_from_s).items():
         first = [r for t, r in series if t < warm_from_s + span]
         last = [r for t, r in series if t > end_s - span]
         if first and last:
-            out[pid] = {"first": statistics.median(first), "last": statistics.median(last),
-                        "growth": statistics.median(last) - statistics.median(first), "peak": max(r for _, r in series)}  # fmt: skip
+            first_mid, last_mid = statistics.median(first), statistics.median(last)
+            out[pid] = {"first": first_mid, "last": last_mid, "growth": last_mid - first_mid,
+                        "peak": max(r for _, r in series)}  # fmt: skip
     return out
 
 
@@ -379,19 +386,11 @@ def rss_bound_bytes(requests_after_warmup: int, mean_prompt_tokens: float) -> tu
 
 def rss_mib_per_hour(samples: list, from_s: float) -> dict[int, float]:
     """Per process, the least-squares slope of RSS over the samples after ``from_s``, in MiB per hour."""
-    by_pid: dict[int, list] = {}
-    for t, pid, rss in samples:
-        if t >= from_s:
-            by_pid.setdefault(pid, []).append((t, rss))
     out = {}
-    for pid, series in by_pid.items():
-        if len(series) >= 3:
-            ts, rs = [t for t, _ in series], [r for _, r in series]
-            mt, mr = statistics.mean(ts), statistics.mean(rs)
-            var = sum((t - mt) ** 2 for t in ts)
-            if var > 0:
-                slope = sum((t - mt) * (r - mr) for t, r in series) / var
-                out[pid] = round(slope * 3600 / 2**20, 2)
+    for pid, series in samples_by_pid(samples, from_s).items():
+        ts, rs = [t for t, _ in series], [r for _, r in series]
+        if len(set(ts)) >= 2:
+            out[pid] = round(statistics.linear_regression(ts, rs).slope * 3600 / 2**20, 2)
     return out
 
 
