@@ -369,6 +369,138 @@ def memory_bench(run: BenchRun) -> dict:
     return res
 
 
+# --- prefix caching on the Flash layout (--only-prefix, record bench-deepseek_v4-prefix) --------------------------
+FLASH_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+PREFIX_SYSTEM, PREFIX_OWN, PREFIX_REQUESTS = 300, 40, 16
+PREFIX_MIN_CACHED = 256  # the whole 128-token units of the 300-token system prompt
+PREFIX_TTFT_TARGET = 1.5
+
+
+def _hits(srv) -> float:
+    import urllib.request
+
+    from ascend_adapters.testing.soak import prometheus_totals
+
+    text = urllib.request.urlopen(f"{srv.base_url}/metrics", timeout=30).read().decode()
+    return prometheus_totals(text).get("vllm:prefix_cache_hits_total", 0.0)
+
+
+def prefix_requests(model_dir: Path, caching: bool) -> dict:
+    """One ``vllm serve`` of the Flash-layout tiny, prefix caching on or off: two warm-up prompts, then
+    PREFIX_REQUESTS prompts one after another, each the shared system prompt and tokens of its own, each a
+    1-token completion (its latency: the time to its first token plus the response). Per request the
+    latency and the tokens vLLM's hit counter adds."""
+    from ascend_adapters.common.server import CPU_TEST_ARGS, VllmServer
+
+    system = _prompt(PREFIX_SYSTEM, 61)
+    flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+    out = {"latency_s": [], "cached_tokens": []}
+    with VllmServer(model_dir, args=[*CPU_TEST_ARGS, "--dtype", "float32", flag], startup_timeout=900) as srv:
+        out["command"] = " ".join(srv.cmd)
+        for i in range(2):
+            srv.complete(_prompt(PREFIX_SYSTEM + PREFIX_OWN, 70 + i), max_tokens=1)
+        for i in range(PREFIX_REQUESTS):
+            before = _hits(srv)
+            t0 = time.perf_counter()
+            srv.complete(system + _prompt(PREFIX_OWN, 100 + i), max_tokens=1)
+            out["latency_s"].append(time.perf_counter() - t0)
+            out["cached_tokens"].append(_hits(srv) - before)
+    return out
+
+
+def prefix_cost() -> dict:
+    """What 128-token hits cost on DeepSeek-V4-Flash (bf16), from memory.py's model of vLLM's grouping
+    (``test_deepseek_v4_memory`` holds it to vLLM's own): per request, the bytes and block ids held (a block
+    id spans every group's pages, 860 KiB), against the previous layout's bytes and pages (every cache one 128 KiB page, 16 rows of the hidden
+    size; the HCA entries' block 16384 tokens, restated from that design's memory.py)."""
+    import math
+
+    from ascend_adapters.deepseek_v4 import memory as M
+
+    cfg = M.flash_config()
+    groups, slab = M.cache_groups(cfg, cfg.layer_types, 2)
+    page = 16 * math.lcm(cfg.hidden_size, cfg.head_dim, cfg.index_head_dim)
+    old = []  # (block_size, sliding_window) of every cache of every layer, all pages `page` values
+    for t in cfg.layer_types:
+        hd, old_rows = cfg.head_dim, lambda w: page // w
+        old.append((old_rows(hd), cfg.sliding_window))
+        if t == M.LAYER_SLIDING:
+            continue
+        rate, csa = cfg.compress_rates[t], t == M.LAYER_CSA
+        width = M.state_width(hd, csa)
+        old += [(old_rows(width), (2 if csa else 1) * rate), (rate * old_rows(hd), None)]
+        if csa:
+            iw = M.state_width(cfg.index_head_dim, True)
+            old += [(old_rows(iw), 2 * rate), (rate * old_rows(cfg.index_head_dim), None)]
+    old_geo = [M.CacheGeometry(1, 1, b, w) for b, w in old]
+    # vLLM's admission reservation per request (window + one scheduler step of 8192 tokens for a sliding
+    # cache): each block a sliding group reserves costs a whole block id, so the reservation grows
+    reserved = {}
+    for n in (131072, 1048576):
+        reserved[str(n)] = {
+            "bytes": slab * sum(M.reserved_blocks(g.geometry, n, 8192) for g in groups),
+            "previous_bytes": page * 2 * sum(M.reserved_blocks(g, n, 8192) for g in old_geo),
+        }
+    rows = []
+    for n in (100, 4096, 131072, 1048576):
+        new_blocks = sum(g.geometry.blocks(n) for g in groups)
+        old_blocks = sum(g.blocks(n) for g in old_geo)
+        rows.append(
+            {
+                "tokens": n,
+                "bytes": M.request_cache_bytes(cfg, n),
+                "previous_bytes": old_blocks * page * 2,
+                "block_ids": new_blocks,
+                "previous_pages": old_blocks,
+            }
+        )
+    return {
+        "hit_tokens": M.hit_tokens(cfg),
+        "previous_hit_tokens": math.lcm(*(g.block_size for g in old_geo)),
+        "block_id_bytes": slab,
+        "groups": [{"block_size": g.geometry.block_size, "layers": g.layers} for g in groups],
+        "per_request": rows,
+        "reserved_per_request_max_num_batched_tokens_8192": reserved,
+    }
+
+
+def prefix_bench(run: BenchRun) -> dict:
+    import statistics
+
+    from ascend_adapters.deepseek_v4.tiny import make_tiny
+
+    with tempfile.TemporaryDirectory(prefix="bench-dsv4-prefix-") as tmp:
+        model_dir = make_tiny(Path(tmp) / "flash", seed=5, compress_rates=FLASH_RATES)
+        on = prefix_requests(model_dir, caching=True)
+        off = prefix_requests(model_dir, caching=False)
+    later = on["cached_tokens"][1:]
+    run.target(
+        "fewest cached tokens of a request after the first",
+        min(later),
+        PREFIX_MIN_CACHED,
+        f"the {PREFIX_SYSTEM}-token system prompt's whole 128-token units",
+    )
+    run.check("prefix caching off: no request hits", sum(off["cached_tokens"]) == 0, off["cached_tokens"])
+    # the first request computes the system prompt in both runs: compare the 15 after it
+    on_s, off_s = statistics.median(on["latency_s"][1:]), statistics.median(off["latency_s"][1:])
+    ratio = run.ratio("ttft_prefix_caching_over_off", on_s, off_s, "the same server with prefix caching off")
+    run.target(
+        "time to first token, median of the requests after the first, caching off over on",
+        round(ratio, 3),
+        PREFIX_TTFT_TARGET,
+        "issue 51's target",
+    )
+    cost = prefix_cost()
+    run.target(
+        "DeepSeek-V4-Flash prefix-hit granularity (tokens)",
+        cost["hit_tokens"],
+        128,
+        "a hit at every 128 tokens",
+        at_most=True,
+    )
+    return {"prefix_caching_on": on, "prefix_caching_off": off, "flash_cost": cost}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help="short prompt and generation (CI smoke)")
@@ -381,6 +513,11 @@ def main() -> int:
     ap.add_argument("--skip-mtp", action="store_true", help="leave out MTP speculative decoding")
     ap.add_argument(
         "--only-memory", action="store_true", help="only the bytes vLLM holds per request (bench-deepseek_v4-memory)"
+    )
+    ap.add_argument(
+        "--only-prefix",
+        action="store_true",
+        help="only prefix caching on the Flash layout: cached tokens and TTFT, on against off (bench-deepseek_v4-prefix)",
     )
     ap.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
     add_evidence_dir_argument(ap)
@@ -413,6 +550,13 @@ def main() -> int:
         mem_run.write(args.evidence_dir)
         print(json.dumps(mem_run.rec.checks, indent=2))
         return int(not mem_run.rec.passed)
+    if args.only_prefix:
+        prefix_run = BenchRun("deepseek_v4", "deepseek_v4-prefix")
+        prefix_run.metric("prefix", prefix_bench(prefix_run))
+        prefix_run.rec.notes.append("the two servers ran one after another in this run, each in its own process")
+        prefix_run.write(args.evidence_dir)
+        print(json.dumps(prefix_run.rec.checks, indent=2))
+        return int(not prefix_run.rec.passed)
     if not args.skip_mtp and not args.vs_native:
         mtp_run = BenchRun("deepseek_v4", "deepseek_v4-mtp")
         mtp_len, mtp_gen = (24, 48) if args.quick else (100, 128)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from ascend_adapters.deepseek_v4 import memory as M
 
 
@@ -13,23 +15,86 @@ def test_flash_parameter_count_matches_the_published_284b():
 
 
 def test_request_caches_follow_the_published_shape():
-    """Flash: 2 sliding, 21 CSA (rate 4), 20 HCA (rate 128) layers; head_dim 512, hidden 4096, indexer keys
-    128, window 128; bf16 pages of 16 x 4096 values. A CSA compressor's state row is its KV projection and
-    gate, 2 x 512 each for the two windows a position feeds (2048); an HCA one's 2 x 512; the indexer's 4 x 128."""
+    """Flash: 2 sliding, 21 CSA (rate 4), 20 HCA (rate 128) layers; head_dim 512, indexer keys 128, window 128;
+    bf16. A CSA compressor's state row is its KV projection and gate, 2 x 512 each for the two windows a position
+    feeds (2048); an HCA one's 2 x 512 (1024); the indexer's 4 x 128 (512).
+
+    Full caches span 128 positions a block: a CSA layer's 32 entries of 512 and 32 indexer keys of 128, an HCA
+    layer's one entry of 512. Sliding caches hold 8 rows of lcm(512, 2048, 512, 1024) = 2048 values a block:
+    the window 32 positions, the CSA state 8, the indexer state 32, the HCA state 16. vLLM keeps every full cache
+    in one group and splits the 43 window caches into two groups of 22 and 21 (43 x 32 KiB exceed the full
+    group's 860 KiB); a block id spans every group's pages, so each block a group holds costs the full group's
+    bytes."""
     cfg = M.flash_config()
-    page = 16 * 4096 * 2
+    slab = (21 * 32 * 512 + 21 * 32 * 128 + 20 * 1 * 512) * 2
+    groups, got = M.cache_groups(cfg, cfg.layer_types, 2)
+    assert got == slab == 880640
+    assert M.hit_tokens(cfg) == 128
 
     def blocks(n, per_block, window=None):  # the blocks holding positions [n - window, n) or [0, n)
         first = 0 if window is None else max(0, n - window)
         return (n - 1) // per_block - first // per_block + 1
 
     for n in (100, 4096, 1048576):
-        window = blocks(n, 128, 128)  # 128 positions of 512 per page
-        # compressor states (32 of 2048 per page) and indexer states (128 of 512) of the last 8 positions,
-        # entries (128 of 512 per page, 4 positions each), indexer keys (512 of 128)
-        csa = window + blocks(n, 32, 8) + blocks(n, 128, 8) + blocks(n, 4 * 128) + blocks(n, 4 * 512)
-        hca = window + blocks(n, 64, 128) + blocks(n, 128 * 128)  # states (64 of 1024) of the last 128; entries
-        assert M.request_cache_bytes(cfg, n) == (2 * window + 21 * csa + 20 * hca) * page, n
+        held = blocks(n, 128) + 2 * blocks(n, 32, 128) + blocks(n, 8, 8) + blocks(n, 32, 8) + blocks(n, 16, 128)
+        assert M.request_cache_bytes(cfg, n) == held * slab, n
+
+
+def _vllm_groups(config, dtype):
+    """vLLM's own grouping (``kv_cache_utils.get_kv_cache_groups``) of the specs the attention layers declare,
+    with the block-outermost layout the backend asks for; as (block size, layers, page bytes of the group)."""
+    import types
+
+    from vllm.v1.core import kv_cache_utils
+
+    from ascend_adapters.common import compat
+
+    specs = {
+        f"model.layers.{i}.attn.{kind}_cache": g.kv_cache_spec(dtype)
+        for i, t in enumerate(config.layer_types)
+        for kind, g in M.layer_caches(config, t).items()
+    }
+    layouts = compat.block_outermost_kv_cache_layouts()
+    vllm_config = types.SimpleNamespace(
+        scheduler_config=types.SimpleNamespace(disable_hybrid_kv_cache_manager=False),
+        speculative_config=None,
+        model_config=None,
+        kv_transfer_config=None,
+        attention_config=types.SimpleNamespace(hisparse_config=None),
+        cache_config=types.SimpleNamespace(get_resolved_kv_cache_layout=lambda: layouts[0] if layouts else None),
+    )
+    groups = kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
+    assert sum(len(g.layer_names) for g in groups) == len(specs)
+    return sorted((g.kv_cache_spec.block_size, len(g.layer_names), g.kv_cache_spec.page_size_bytes) for g in groups)
+
+
+@pytest.mark.parametrize("shape", ["flash", "tiny", "tiny_hca128"])
+def test_cache_groups_are_vllms(shape):
+    """memory.cache_groups states how the installed vLLM groups the caches: the same groups, and a block id's
+    bytes the largest group's pages (the full caches)."""
+    import torch
+
+    from ascend_adapters.deepseek_v4.tiny import tiny_config
+
+    rates = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
+    config = {
+        "flash": M.flash_config,
+        "tiny": tiny_config,
+        "tiny_hca128": lambda: tiny_config(compress_rates=rates),
+    }[shape]()
+    got = _vllm_groups(config, torch.bfloat16)
+    groups, slab = M.cache_groups(config, config.layer_types, 2)
+    mine = sorted(
+        (
+            g.geometry.block_size,
+            g.layers,
+            slab if g.geometry.sliding_window is None else g.layers * g.geometry.page_bytes(2),
+        )
+        for g in groups
+    )
+    assert got == mine
+    assert max(page for _, _, page in got) == slab
+    assert M.hit_tokens(config) == 128
 
 
 def test_request_caches_grow_with_the_request_not_max_model_len():

@@ -7,14 +7,15 @@ and a KV cache of ``_kv_bytes`` (vLLM's start-up check for one max_model_len req
 Batches, in order:
 
 1. a 640-token prompt alone: 40 HCA entries, 160 CSA entries, several blocks of every cache;
-2. its first 576 tokens and a new tail: served from vLLM's prefix cache (its counters show hits);
+2. its first 400 tokens and a new tail: 384 served from vLLM's prefix cache (hits every 128 tokens,
+   ``memory.hit_tokens``; its counters show them);
 3. another long prompt batched with three short ones;
 4. four prompts of max_model_len - 8 tokens at once, in a cache that holds about one: they wait for
    each other's blocks;
 5. twelve 16-token prompts generating 300 tokens each: all are admitted in the first step (12 x 16 tokens
-   within the budget, 12 x 19 pages of the cache's 235 at 17 tokens) and decode together until their
-   caches outgrow it (12 x 23 pages at 316 tokens; ``memory.request_cache_bytes`` computes both, the
-   record's check names state them): vLLM preempts requests mid-generation and recomputes them
+   within the budget and the cache) and decode together until their caches outgrow it
+   (``memory.request_cache_bytes`` computes both, the record's check names the block counts): vLLM preempts
+   requests mid-generation and recomputes them
    (``vllm:num_preemptions``).
 
 Every generated step's logits are within 1e-3 of transformers run on the same tokens and the greedy
@@ -23,43 +24,29 @@ tokens are identical.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from _dsv4_cases import hf_model, prompts, reference_fn
 
 from ascend_adapters.common.evidence import EvidenceRecord
-from ascend_adapters.deepseek_v4.memory import layer_caches, page_values, request_cache_bytes
+from ascend_adapters.deepseek_v4.memory import cache_groups, hit_tokens, request_cache_bytes, reserved_blocks
 from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
 from ascend_adapters.testing.engine_worker import engine_run
 
 TOL = 1e-3
 MAX_TOKENS = 8
 MAX_MODEL_LEN = 1024
-LONG, SHARED, SHORT = 640, 576, (5, 17, 33)
+LONG, SHARED, SHORT = 640, 400, (5, 17, 33)
 BUDGET = 256
 FULL = MAX_MODEL_LEN - MAX_TOKENS  # batch 4: prompts that fill max_model_len
 PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 12, 16, 300  # batch 5
 
 
-def _hit_unit(config) -> int:
-    """Prefix-cache hits are whole blocks of every cache group: multiples of the blocks' least common multiple."""
-    return math.lcm(*(g.block_size for t in set(config.layer_types) for g in layer_caches(config, t).values()))
-
-
 def _kv_bytes(config) -> int:
-    """About what vLLM's start-up check asks for one max_model_len request (``max_memory_usage_bytes``
-    of each spec: every block of a full cache; a sliding cache's window plus a whole scheduler step and
-    one block), with a quarter more for the padding layers its grouping adds (this sum alone gave 896
-    of 1024 tokens): batch 4's requests do not all fit at once."""
-    pages = 0
-    for t in config.layer_types:
-        for g in layer_caches(config, t).values():
-            if g.sliding_window is None:
-                pages += -(-MAX_MODEL_LEN // g.block_size)
-            else:
-                pages += -(-min(g.sliding_window - 1 + BUDGET, MAX_MODEL_LEN) // g.block_size) + 1
-    return int(1.25 * pages * page_values(config) * 4)  # float32
+    """What vLLM's start-up check asks for one max_model_len request (each group's reservation: every
+    block of a full cache; a sliding cache's window plus a whole scheduler step and one block; a block id
+    spans every group's pages), with a quarter more: batch 4's requests still do not all fit at once."""
+    groups, slab = cache_groups(config, config.layer_types, 4)  # float32
+    return int(1.25 * slab * sum(reserved_blocks(g.geometry, MAX_MODEL_LEN, BUDGET) for g in groups))
 
 
 @pytest.fixture(scope="module")
@@ -115,7 +102,7 @@ def test_paged_state_at_length_with_prefix_cache(served, evidence_root):
     rec.metric("rows", rows)
     rec.metric("max_abs_logit_diff", worst)
     rec.metric("counters", [batch["counters"] for batch in batches])
-    unit = _hit_unit(cfg)
+    unit = hit_tokens(cfg)
     expected_hit = SHARED // unit * unit
     rec.metric("prefix_hit_unit_tokens", unit)
     ok = [
@@ -128,17 +115,19 @@ def test_paged_state_at_length_with_prefix_cache(served, evidence_root):
         ),
     ]
     # batch 5 preempts only if its requests fit the cache at their prompts and outgrow it while decoding
-    pool_pages = _kv_bytes(cfg) // (page_values(cfg) * 4)
-    pages = [
-        request_cache_bytes(cfg, n, 4) // (page_values(cfg) * 4)
-        for n in (PREEMPT_PROMPT + 1, PREEMPT_PROMPT + PREEMPT_TOKENS)
-    ]
+    slab = cache_groups(cfg, cfg.layer_types, 4)[1]
+    pool_pages = _kv_bytes(cfg) // slab
+    admitted = request_cache_bytes(cfg, PREEMPT_PROMPT + 1, 4) // slab
+    # the sliding caches' blocks come and go as their windows move: the peak over the decode, all 12 in step
+    peak = max(
+        request_cache_bytes(cfg, n, 4) // slab for n in range(PREEMPT_PROMPT + 1, PREEMPT_PROMPT + PREEMPT_TOKENS)
+    )
     preempted = batches[4]["counters"].get("vllm:num_preemptions", 0)
     ok += [
         rec.check(
-            f"batch 5 admitted at once and outgrows the cache: {PREEMPT_SEQS} x {pages[0]} <= {pool_pages} < "
-            f"{PREEMPT_SEQS} x {pages[1]} pages",
-            PREEMPT_SEQS * pages[0] <= pool_pages < PREEMPT_SEQS * pages[1],
+            f"batch 5 admitted at once and outgrows the cache: {PREEMPT_SEQS} x {admitted} <= {pool_pages} < "
+            f"{PREEMPT_SEQS} x {peak} blocks (at the peak of its decode)",
+            PREEMPT_SEQS * admitted <= pool_pages < PREEMPT_SEQS * peak,
         ),
         rec.check(
             "batch 5 preempted requests mid-generation (vLLM's preemption counter)", preempted > 0, f"{preempted}"

@@ -215,6 +215,7 @@ def test_startup_fails_closed_on_policy(ckpts, case, evidence_root, monkeypatch)
 FLASH_CONTEXT = 1048576
 KV_BYTES = 768 << 20
 CONCURRENT = 16
+LONG_SHARES = (1024, 2047, 2100, 3000, 4100)  # of the 4200-token prompt, each then 40 tokens of its own
 
 
 def _metric(srv, name: str) -> float:
@@ -230,15 +231,17 @@ def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root):
     """DeepSeek's published layout (native names and keys, Flash's yarn over 1M positions, hash layers,
     CSA 4 / HCA 128, MTP entries) served at max_model_len 1048576 with 768 MiB of KV cache: 16 short
     requests run at once (each holds pages for its own tokens, not for 1M), every greedy token equals
-    transformers', and a long prompt sent again with a new tail is served from the prefix cache."""
+    transformers', and prompts sharing 1,024 to 4,100 tokens of a long one hit the prefix cache in whole
+    128-token units (vLLM's hit counter per request)."""
     import threading
     import time
 
     hf_dir, native = make_native_hca128(tmp_path_factory.mktemp("dsv4flash"), long_context=True)
     model = hf_model(hf_dir)
     short = prompts([5 + (135 * i) // (CONCURRENT - 1) for i in range(CONCURRENT)], seed=41)  # 5 .. 140 tokens
-    # prefix hits are whole blocks of every cache: the HCA entries' block (128 tokens x 32 rows) is the longest
+    # prefix hits are whole multiples of every cache's block span: 128 tokens (memory.hit_tokens)
     long_prompt, tail = prompts([4200, 40], seed=42)
+    shared = [long_prompt[:n] + tail for n in LONG_SHARES]
     args = [
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(FLASH_CONTEXT),
         "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", str(CONCURRENT),
@@ -267,19 +270,26 @@ def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root):
             t.join()
         done.set()
         watcher.join()
-        hits_before = _metric(srv, "vllm:prefix_cache_hits_total")
-        long_runs = [_served_ids(srv, long_prompt), _served_ids(srv, long_prompt[:4100] + tail)]
-        hits = _metric(srv, "vllm:prefix_cache_hits_total") - hits_before
+        long_runs, hits = [], []
+        for p in [long_prompt, *shared]:  # one at a time: each request's hits are the counter's step
+            before = _metric(srv, "vllm:prefix_cache_hits_total")
+            long_runs.append(_served_ids(srv, p))
+            hits.append(_metric(srv, "vllm:prefix_cache_hits_total") - before)
     want = [hf_greedy(model, p, N_TOKENS) for p in short]
-    want_long = [hf_greedy(model, p, N_TOKENS) for p in (long_prompt, long_prompt[:4100] + tail)]
+    want_long = [hf_greedy(model, p, N_TOKENS) for p in (long_prompt, *shared)]
+    expected_hits = [0] + [n // 128 * 128 for n in LONG_SHARES]
     rec.metric("prompt_lengths", [len(p) for p in short])
     rec.metric("max_requests_running", running[0])
-    rec.metric("prefix_cache_hits", hits)
+    rec.metric("prefix_cache_hits", dict(zip(["first", *map(str, LONG_SHARES)], hits)))
     ok = [
         rec.check(f"{CONCURRENT} requests ran at once", running[0] == CONCURRENT, str(running[0])),
         rec.check("served greedy tokens == transformers greedy", results == want, str(results)),
         rec.check("long prompts: served greedy tokens == transformers greedy", long_runs == want_long),
-        rec.check("the shared 4096 tokens are served from the prefix cache", hits >= 4096, str(hits)),
+        rec.check(
+            f"prompts sharing {LONG_SHARES} tokens hit {expected_hits[1:]} (whole 128-token units)",
+            hits == expected_hits,
+            str(hits),
+        ),
     ]
     rec.write(evidence_root)
     assert all(ok), rec.checks

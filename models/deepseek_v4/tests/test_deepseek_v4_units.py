@@ -176,9 +176,13 @@ def vllm_model(dirs):
 
 
 def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
-    """Each attention layer declares only the caches its type needs, each a vLLM KV-cache spec with the
-    same page size (vLLM groups them without resizing a block); the backend declares graphs of uniform
-    batches (decodes, MTP verifications: test_deepseek_v4_graph.py replays them)."""
+    """Each attention layer declares only the caches its type needs, each a vLLM KV-cache spec whose block
+    spans 128 positions (full caches) or a divisor of 128 (sliding caches, all of one page size): prefix hits
+    every 128 tokens; the backend asks for a block-outermost layout (vLLM 0.32 packs the unequal pages into
+    one block id in it) and declares graphs of uniform batches (decodes, MTP verifications:
+    test_deepseek_v4_graph.py replays them)."""
+    import importlib.util
+
     from vllm.v1.attention.backend import AttentionCGSupport
     from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec
 
@@ -199,7 +203,7 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
         LAYER_HCA: {"window": (w, 1), "state": (rates[LAYER_HCA], 1), "entries": (None, rates[LAYER_HCA])},
     }
     model = vllm_model(dirs["tiny"])
-    pages = set()
+    sliding_pages = set()
     for i, layer in enumerate(model.model.layers):
         caches = layer.self_attn.caches
         want = expected[cfg.layer_types[i]]
@@ -210,13 +214,17 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
             if window is None:
                 assert type(spec) is MLAAttentionSpec, (i, kind)
                 ratio = getattr(spec, "tokens_per_state", getattr(spec, "compress_ratio", None))
-                assert ratio == per_row, (i, kind, ratio)
+                assert ratio == per_row and spec.block_size == 128, (i, kind, ratio, spec.block_size)
             else:
                 assert type(spec) is SlidingWindowMLASpec and spec.sliding_window == window, (i, kind)
-            pages.add(spec.page_size_bytes)
-            builder = cache.get_attn_backend().get_builder_cls()
-            assert builder.get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH, cache.layer_name
-    assert len(pages) == 1, pages
+                assert 128 % spec.block_size == 0, (i, kind, spec.block_size)
+                sliding_pages.add(spec.page_size_bytes)
+            backend = cache.get_attn_backend()
+            assert backend.get_builder_cls().get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH
+            layouts = backend.supported_kv_cache_layouts()  # None only where the engine has no layouts (0.27/0.28)
+            assert (layouts is None) == (importlib.util.find_spec("vllm.v1.kv_cache_layout") is None)
+            assert layouts is None or {layout.name for layout in layouts} == {"BLHNC", "BLNHC"}, layouts
+    assert len(sliding_pages) == 1, sliding_pages
 
 
 def _tensors(path):

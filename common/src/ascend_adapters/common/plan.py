@@ -84,7 +84,7 @@ class StageMemory:
     layers: tuple[int, int]  # [start, end) of the decoder layers
     weight_bytes: int  # parameters and buffers as served
     request_cache_bytes: int  # cache one request of max_model_len reserves, this stage's layers
-    page_bytes: int  # one block of one layer's cache (the largest, where layer types differ)
+    page_bytes: int  # one block id's bytes: one layer's page, or (DeepSeek-V4) every cache group's pages
 
 
 @dataclasses.dataclass

@@ -49,6 +49,7 @@ from ascend_adapters.common.compat.request_guard import (
 )
 from ascend_adapters.common.compat.shims import (
     MhcOpClasses,
+    block_outermost_kv_cache_layouts,
     compressed_attention_spec,
     cpu_float_gemm,
     cpu_int8_gemm,
@@ -62,6 +63,7 @@ from ascend_adapters.common.compat.shims import (
     moe_method_routes,
     moe_select_experts,
     register_opaque_op,
+    retain_prefix_checkpoints,
     sliding_window_row_spec,
     weights_mapper_fn,
 )
@@ -79,6 +81,7 @@ __all__ = [
     "FAULT_FILE_ENV",
     "EngineVersionError",
     "MhcOpClasses",
+    "block_outermost_kv_cache_layouts",
     "compressed_attention_spec",
     "cpu_float_gemm",
     "cpu_int8_gemm",
@@ -104,6 +107,7 @@ __all__ = [
     "moe_select_experts",
     "refuse_out_of_vocab_token_ids",
     "register_opaque_op",
+    "retain_prefix_checkpoints",
     "require_supported_engine",
     "served_by_adapter",
     "weights_mapper_fn",

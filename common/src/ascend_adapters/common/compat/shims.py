@@ -189,6 +189,36 @@ def latent_kv_cache_shape(
     return (num_blocks, block_size, head_size)
 
 
+def block_outermost_kv_cache_layouts() -> tuple | None:
+    """The KV-cache layouts that keep every layer's page of a block together (block outermost), for a
+    backend's ``supported_kv_cache_layouts``: with them 0.32 packs caches of different page sizes into one
+    block id (``_get_packed_kv_cache_groups``) instead of resizing their blocks to one page size. None on
+    0.27/0.28, which have no layouts and pack mixed page sizes anyway (their DeepSeek-V4 planner)."""
+    try:
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+    except ImportError:
+        return None
+    return (KVCacheLayout.BLHNC, KVCacheLayout.BLNHC)
+
+
+def retain_prefix_checkpoints(cache_config, every_tokens: int) -> int | None:
+    """Keep a sliding-window cache's blocks at every ``every_tokens`` boundary in the prefix cache, so that a
+    later prompt sharing any whole multiple of them hits; returns the interval the engine will use.
+
+    0.32 keeps them only at a prompt's end and at detected shared-prefix junctions by default
+    (``CacheConfig.prefix_cache_retention_interval`` 0): set to ``every_tokens`` there, a positive interval
+    chosen by the user is kept. 0.27/0.28 keep them at every boundary unless
+    ``VLLM_PREFIX_CACHE_RETENTION_INTERVAL`` says otherwise: nothing to set (None: dense)."""
+    if not hasattr(cache_config, "prefix_cache_retention_interval"):
+        import os
+
+        value = os.environ.get("VLLM_PREFIX_CACHE_RETENTION_INTERVAL")
+        return int(value) if value is not None else None
+    if cache_config.prefix_cache_retention_interval == 0:
+        cache_config.prefix_cache_retention_interval = every_tokens
+    return cache_config.prefix_cache_retention_interval
+
+
 def latent_layer_cache(kv_cache):
     """A latent cache as a layer's ``bind_kv_cache`` receives it, as ``[blocks, rows, width]``: 0.32
     binds ``[blocks, 1 head, rows, width]`` (its spec's shape), 0.27/0.28 ``latent_kv_cache_shape``'s."""

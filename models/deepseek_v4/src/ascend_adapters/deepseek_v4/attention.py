@@ -86,7 +86,7 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, layer_name: str):
         super().__init__()
         self.geometry, self.dtype, self.layer_name = geometry, dtype, layer_name
-        self.rows_per_block = geometry.block_size // geometry.tokens_per_row
+        self.rows_per_block = geometry.rows_per_block
         self.kv_cache = torch.tensor([])
         register_layer(layer_name, self)
 
@@ -94,17 +94,17 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         return DeepseekV4CacheBackend
 
     def get_kv_cache_spec(self, vllm_config: VllmConfig):
-        g = self.geometry
-        if g.sliding_window is None:
-            return compat.compressed_attention_spec(
-                block_size=g.block_size, head_size=g.width, dtype=self.dtype, tokens_per_row=g.tokens_per_row
-            )
-        return compat.sliding_window_row_spec(
-            block_size=g.block_size, head_size=g.width, dtype=self.dtype, sliding_window=g.sliding_window
-        )
+        return self.geometry.kv_cache_spec(self.dtype)
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
-        self.kv_cache = compat.latent_layer_cache(kv_cache)
+        view = compat.latent_layer_cache(kv_cache)
+        if tuple(view.shape[1:]) != (self.rows_per_block, self.geometry.width):
+            # an engine that resized this cache's blocks would have its rows addressed with the wrong span
+            raise RuntimeError(
+                f"{self.layer_name}: vLLM bound blocks of {tuple(view.shape[1:])} (rows, values), its spec declares "
+                f"({self.rows_per_block}, {self.geometry.width})"
+            )
+        self.kv_cache = view
 
 
 def _slots(

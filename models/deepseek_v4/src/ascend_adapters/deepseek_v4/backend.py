@@ -23,6 +23,7 @@ from vllm.v1.attention.backend import (
     CommonAttentionMetadata,
 )
 
+from ascend_adapters.common import compat
 from ascend_adapters.common.attention_backend import LayerAttentionBackend, token_requests
 
 # queries of one prefill request attended at a time (``attention.DeepseekV4Attention``): its score
@@ -117,3 +118,9 @@ class DeepseekV4CacheBackend(LayerAttentionBackend):
     @staticmethod
     def get_builder_cls():
         return DeepseekV4CacheMetadataBuilder
+
+    @classmethod
+    def supported_kv_cache_layouts(cls):
+        # The caches' pages differ in size (memory.layer_caches: blocks of 128 positions or fewer, so that a
+        # prefix hit lands every 128 tokens); vLLM packs them into one block id only in these layouts.
+        return compat.block_outermost_kv_cache_layouts()

@@ -37,9 +37,13 @@ STATE = "state"
 INDEX_STATE = "index_state"
 ENTRIES = "entries"  # compressed KV entries, one per rate positions
 INDEX = "index"  # the indexer's compressed keys (CSA), one per rate positions
-# Every cache has the same page size (vLLM then groups them without resizing any block): PAGE_ROWS rows
-# of the hidden size (the width of every other row divides it, see page_values).
-PAGE_ROWS = 16
+# A prefix-cache hit starts at a multiple of every cache group's block span (vLLM's ``kv lcm block sizes``):
+# the full caches (entries, indexer keys) span HIT_TOKENS tokens a block, or a multiple of a compression rate
+# that does not divide it; every sliding cache's block divides that span.
+HIT_TOKENS = 128
+# Every sliding cache has one page size, SLIDING_PAGE_ROWS rows of the lcm of their widths: two sliding caches
+# with the same block and window then have the same width, so vLLM never groups rows of different shapes.
+SLIDING_PAGE_ROWS = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +52,26 @@ class CacheGeometry:
     tokens_per_row: int  # 1: a row per position; rate: a compressed entry per rate positions
     block_size: int  # positions per block
     sliding_window: int | None  # a step reads the sliding_window - 1 positions before its first; None: all
+
+    @property
+    def rows_per_block(self) -> int:
+        return self.block_size // self.tokens_per_row
+
+    def page_bytes(self, dtype_bytes: int) -> int:
+        return self.rows_per_block * self.width * dtype_bytes
+
+    def kv_cache_spec(self, dtype):
+        """vLLM's KV-cache spec of this cache: a full cache an MLA spec of a row per ``tokens_per_row``
+        positions, a sliding cache a sliding-window MLA spec of a row per position."""
+        from ascend_adapters.common import compat
+
+        if self.sliding_window is None:
+            return compat.compressed_attention_spec(
+                block_size=self.block_size, head_size=self.width, dtype=dtype, tokens_per_row=self.tokens_per_row
+            )
+        return compat.sliding_window_row_spec(
+            block_size=self.block_size, head_size=self.width, dtype=dtype, sliding_window=self.sliding_window
+        )
 
     def blocks(self, tokens: int) -> int:
         """Blocks vLLM holds for a request whose cache reaches ``tokens`` positions (the next token's
@@ -65,33 +89,86 @@ def state_width(head_dim: int, overlap: bool) -> int:
     return 2 * (2 if overlap else 1) * head_dim
 
 
-def page_values(config) -> int:
-    """Values in one page of every cache: PAGE_ROWS x lcm(hidden, head_dim, index_head_dim), a multiple
-    of every row: the states are 2 or 4 x head_dim (index_head_dim) wide and PAGE_ROWS is a multiple of 4."""
-    widths = [int(config.hidden_size), int(config.head_dim), int(config.index_head_dim)]
-    return PAGE_ROWS * math.lcm(*widths)
+def full_block_tokens(config) -> int:
+    """Positions per block of the full caches: HIT_TOKENS, or the least multiple of every compression rate."""
+    kinds = set(config.layer_types) - {LAYER_SLIDING}
+    return math.lcm(HIT_TOKENS, *(int(config.compress_rates[k]) for k in kinds))
+
+
+def sliding_page_values(config) -> int:
+    """Values in a page of every sliding cache: SLIDING_PAGE_ROWS rows of the lcm of the sliding rows' widths
+    (window, and the compressors' states of the checkpoint's layer types, whether served or not)."""
+    hd, kinds = int(config.head_dim), set(config.layer_types)
+    widths = [hd]
+    if LAYER_CSA in kinds:
+        widths += [state_width(hd, True), state_width(int(config.index_head_dim), True)]
+    if LAYER_HCA in kinds:
+        widths.append(state_width(hd, False))
+    return SLIDING_PAGE_ROWS * math.lcm(*widths)
+
+
+def _sliding(config, width: int, window: int) -> CacheGeometry:
+    block = sliding_page_values(config) // width
+    if full_block_tokens(config) % block:
+        raise ValueError(
+            f"DeepSeek-V4: a sliding cache of {width}-value rows would span {block} positions a block, which does "
+            f"not divide the full caches' {full_block_tokens(config)} (config head_dim={config.head_dim}, "
+            f"index_head_dim={config.index_head_dim}): prefix-cache hits would align to neither"
+        )
+    return CacheGeometry(width, 1, block, window)
 
 
 def layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
     """The caches an attention layer of ``layer_type`` holds: sliding layers the window only; CSA layers
     window + the compressor's and the indexer's states (the two windows an overlapping entry pools) +
     entries + indexer keys; HCA layers window + the compressor's states (one window) + entries."""
-    page = page_values(config)
     hd = int(config.head_dim)
-    caches = {WINDOW: CacheGeometry(hd, 1, page // hd, int(config.sliding_window))}
+    caches = {WINDOW: _sliding(config, hd, int(config.sliding_window))}
     if layer_type == LAYER_SLIDING:
         return caches
     rate = int(config.compress_rates[layer_type])
     csa = layer_type == LAYER_CSA
-    width = state_width(hd, csa)
-    caches[STATE] = CacheGeometry(width, 1, page // width, (2 if csa else 1) * rate)
-    caches[ENTRIES] = CacheGeometry(hd, rate, rate * (page // hd), None)
+    full = full_block_tokens(config)
+    caches[STATE] = _sliding(config, state_width(hd, csa), (2 if csa else 1) * rate)
+    caches[ENTRIES] = CacheGeometry(hd, rate, full, None)
     if csa:
         idim = int(config.index_head_dim)
-        width = state_width(idim, True)
-        caches[INDEX_STATE] = CacheGeometry(width, 1, page // width, 2 * rate)
-        caches[INDEX] = CacheGeometry(idim, rate, rate * (page // idim), None)
+        caches[INDEX_STATE] = _sliding(config, state_width(idim, True), 2 * rate)
+        caches[INDEX] = CacheGeometry(idim, rate, full, None)
     return caches
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheGroup:
+    geometry: CacheGeometry  # of a sliding group; of the full group, its block span (rows vary by cache)
+    layers: int  # caches in the group
+
+
+def cache_groups(config, layer_types: list[str], dtype_bytes: int) -> tuple[list[CacheGroup], int]:
+    """How vLLM groups the caches of ``layer_types`` (0.27.1, 0.28.0 and 0.32.0 alike, the backend declaring
+    a block-outermost layout), and the bytes of one block id: every full cache in one group; the sliding
+    caches by geometry, a geometry split into as many groups as it takes to keep each group's pages within
+    the full group's. One block id spans every group's pages (the slab, the full group's), whichever group
+    holds it. Returns the groups and the slab's bytes."""
+    full_bytes, full, sliding = 0, [], {}
+    for t in layer_types:
+        for g in layer_caches(config, t).values():
+            if g.sliding_window is None:
+                full_bytes += g.page_bytes(dtype_bytes)
+                full.append(g)
+            else:
+                sliding[g] = sliding.get(g, 0) + 1
+    slab = full_bytes or max(g.page_bytes(dtype_bytes) * n for g, n in sliding.items())
+    groups = [CacheGroup(full[0], len(full))] if full else []
+    for g, n in sliding.items():
+        split = -(-g.page_bytes(dtype_bytes) * n // slab)
+        groups += [CacheGroup(g, n // split + (i < n % split)) for i in range(split)]
+    return groups, slab
+
+
+def hit_tokens(config) -> int:
+    """The granularity of a prefix-cache hit: the lcm of every cache's block span."""
+    return math.lcm(*(g.block_size for t in set(served_layer_types(config)) for g in layer_caches(config, t).values()))
 
 
 def served_layer_types(config) -> list[str]:
@@ -100,9 +177,10 @@ def served_layer_types(config) -> list[str]:
 
 
 def request_cache_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
-    """Bytes of the pages vLLM holds for one request of ``tokens`` positions, every layer."""
-    page = page_values(config) * dtype_bytes
-    return sum(g.blocks(tokens) * page for t in served_layer_types(config) for g in layer_caches(config, t).values())
+    """Bytes of the blocks vLLM holds for one request of ``tokens`` positions, every layer: each group's
+    blocks, a slab each (``cache_groups``)."""
+    groups, slab = cache_groups(config, served_layer_types(config), dtype_bytes)
+    return slab * sum(g.geometry.blocks(tokens) for g in groups)
 
 
 def parameter_counts(config) -> dict:
@@ -228,6 +306,10 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
             f"{r['concurrency']} request(s) per device"
         )
     lines.append(f"  a {short}-token request holds {_size(request_cache_bytes(cfg, short))}, whatever max_model_len")
+    lines.append(
+        f"  prefix caching: a hit covers the shared prefix in whole multiples of {hit_tokens(cfg)} tokens (every "
+        f"cache's block span divides it)"
+    )
     return lines
 
 
@@ -307,28 +389,22 @@ def memory_plan(raw: dict, req):
         raise PlanError(
             f"--max-model-len {req.max_model_len} exceeds max_position_embeddings {config.max_position_embeddings}"
         )
-    page = page_values(config) * req.dtype_bytes
     served = served_layer_types(config)
-    per_layer = {
-        t: sum(
-            reserved_blocks(g, req.max_model_len, req.max_num_batched_tokens) for g in layer_caches(config, t).values()
-        )
-        * page
-        for t in set(served)
-    }
     parts = pp_partitions(layers, req.pp)
     stages = []
     for s, (start, end) in enumerate(parts):
         weights = stage_parameter_bytes(config, start, end, s == 0, s == len(parts) - 1, req.tp, req.dtype_bytes)
-        stages.append(StageMemory((start, end), weights, sum(per_layer[t] for t in served[start:end]), page))
+        groups, slab = cache_groups(config, served[start:end], req.dtype_bytes)
+        blocks = sum(reserved_blocks(g.geometry, req.max_model_len, req.max_num_batched_tokens) for g in groups)
+        stages.append(StageMemory((start, end), weights, blocks * slab, slab))
     held = request_cache_bytes(config, req.max_model_len, req.dtype_bytes)
     notes = [
-        f"KV cache: every cache a layer declares (sliding window; CSA/HCA compressor states, entries, indexer keys) "
-        f"in {page}-byte pages ({PAGE_ROWS} rows of {page_values(config) // PAGE_ROWS} values), replicated on every "
-        f"TP rank (one shared K=V head); the count is vLLM's reservation (sliding caches: window + "
-        f"{req.max_num_batched_tokens} scheduled tokens); a request of {req.max_model_len} tokens holds "
-        f"{held / (1 << 20):.1f} MiB of it over all layers",
-        "vLLM groups these caches into groups of equal size and may pad them: the count is an upper bound",
+        f"KV cache: every cache a layer declares (sliding window; CSA/HCA compressor states, entries, indexer keys), "
+        f"grouped by vLLM into blocks of {stages[0].page_bytes} bytes (every group's pages, whichever group holds "
+        f"the block), replicated on every TP rank (one shared K=V head); the count is vLLM's reservation (sliding "
+        f"caches: window + {req.max_num_batched_tokens} scheduled tokens); a request of {req.max_model_len} tokens "
+        f"holds {held / (1 << 20):.1f} MiB of it over all layers; prefix-cache hits every {hit_tokens(config)} tokens",
+        "the grouping is vLLM's and may differ across engine versions: the count is an upper bound",
         "MTP speculative decoding adds the checkpoint's MTP layer (weights and its cache); not counted here",
     ]
     return ModelMemory("DeepseekV4ForCausalLM", "KV cache", stages, notes, exact_concurrency=False)

@@ -93,6 +93,12 @@ def check_startup(vllm_config) -> None:
         raise ValueError(f"{ARCH} (ascend-adapters portable path): {refusal}")
     if vllm_config.speculative_config is not None:
         route_mtp_draft(vllm_config)
+    if vllm_config.cache_config.enable_prefix_caching:
+        from ascend_adapters.common import compat
+        from ascend_adapters.deepseek_v4.memory import hit_tokens
+
+        # a prompt sharing any multiple of the hit unit with an earlier one hits, not only one sharing its end
+        compat.retain_prefix_checkpoints(vllm_config.cache_config, hit_tokens(hf))
     from ascend_adapters.common.policy import compile_split_at
     from ascend_adapters.deepseek_v4 import SPLITTING_OPS
 
