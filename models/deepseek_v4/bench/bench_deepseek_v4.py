@@ -390,12 +390,14 @@ def prefix_requests(model_dir: Path, caching: bool) -> dict:
     PREFIX_REQUESTS prompts one after another, each the shared system prompt and tokens of its own, each a
     1-token completion (its latency: the time to its first token plus the response). Per request the
     latency and the tokens vLLM's hit counter adds."""
-    from ascend_adapters.common.server import CPU_TEST_ARGS, VllmServer
+    from ascend_adapters.common.server import VllmServer
 
     system = _prompt(PREFIX_SYSTEM, 61)
     flag = "--enable-prefix-caching" if caching else "--no-enable-prefix-caching"
+    # compiled, as served by default
+    args = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory-bytes", "256M", "--max-num-seqs", "4"]
     out = {"latency_s": [], "cached_tokens": []}
-    with VllmServer(model_dir, args=[*CPU_TEST_ARGS, "--dtype", "float32", flag], startup_timeout=900) as srv:
+    with VllmServer(model_dir, args=[*args, flag], startup_timeout=900) as srv:
         out["command"] = " ".join(srv.cmd)
         for i in range(2):
             srv.complete(_prompt(PREFIX_SYSTEM + PREFIX_OWN, 70 + i), max_tokens=1)
