@@ -272,9 +272,14 @@ def memory_worker(model_dir: str, out: str) -> None:
     scheduler = engine.engine_core.engine_core.scheduler
     config = scheduler.kv_cache_config
     pool = scheduler.kv_cache_manager.block_pool
-    # the groups overlay one allocation (a block id belongs to one group at a time): its bytes are the end
-    # of the furthest tensor, not the sum of the tensors
-    allocated = max(t.offset + t.size for t in config.kv_cache_tensors)
+    # the groups overlay one allocation (a block id belongs to one group at a time). vLLM 0.32 packs every
+    # group's pages into each block id (block-outermost layout): a tensor is a view at its offset inside the
+    # block, the allocation num_blocks x block_stride; elsewhere it is the end of the furthest tensor
+    strides = {getattr(t, "block_stride", None) for t in config.kv_cache_tensors}
+    if len(strides) == 1 and None not in strides:
+        allocated = config.num_blocks * strides.pop()
+    else:
+        allocated = max(t.offset + t.size for t in config.kv_cache_tensors)
     res = {
         "kv_cache_memory_bytes": MEMORY_KV_BYTES,
         "allocated_bytes": allocated,
