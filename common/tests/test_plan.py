@@ -292,9 +292,13 @@ def worker(model_dir: str, out: str) -> None:
         )
     from vllm.v1.core.kv_cache_utils import get_max_concurrency_for_kv_cache_config
 
+    strides = {getattr(t, "block_stride", None) for t in kv.kv_cache_tensors}
     res = {
         "weights": llm.apply_model(_held_bytes)[0],
         "num_blocks": kv.num_blocks,
+        # 0.32's packed layout (DeepSeek-V4's unequal pages): the tensors views at offsets inside one block id
+        "block_stride": strides.pop() if len(strides) == 1 and None not in strides else None,
+        "packed": any(t.offset for t in kv.kv_cache_tensors),
         "tensor_bytes": sum(t.size for t in kv.kv_cache_tensors),
         "groups": groups,
         "max_concurrency": get_max_concurrency_for_kv_cache_config(vllm_config, kv),
@@ -353,15 +357,22 @@ def test_plan_matches_what_vllm_reports(vllm_figures, model):
         max_num_batched_tokens=BATCHED,
     )
     stage = memory.memory_plan(raw, req).stages[0]
-    # the cache one request of max_model_len reserves: vLLM's specs, every layer of every group (a group's
-    # spec is each of its layers'), in whole pages
-    reserved = sum(
-        g["layers"] * -(-g["max_memory_usage_bytes"] // g["page_bytes"]) * g["page_bytes"] for g in v["groups"]
-    )
-    assert stage.request_cache_bytes == reserved, (stage.request_cache_bytes, v["groups"])
     # the weights: exact. Both sides count the same tensors at float32; the tiny checkpoints load every
     # parameter as vLLM builds it (no repacking on this path: the layers are float32, eager)
     assert stage.weight_bytes == v["weights"], (stage.weight_bytes, v["weights"])
+    blocks = [-(-g["max_memory_usage_bytes"] // g["page_bytes"]) for g in v["groups"]]
+    if v["packed"]:
+        # packed (DeepSeek-V4's unequal pages): a block id spans every group's pages, whichever group holds it; a request takes
+        # b_g blocks of each group g, vLLM's count is num_blocks / sum(b_g), num_blocks = floor(KV_BYTES /
+        # block bytes). The plan: floor(KV_BYTES / (block bytes x sum(b_g))): one floor of the same quotient
+        assert stage.request_cache_bytes == sum(blocks) * v["block_stride"], (stage.request_cache_bytes, v)
+        assert v["num_blocks"] == KV_BYTES // v["block_stride"], v
+        assert KV_BYTES // stage.request_cache_bytes == int(v["max_concurrency"]), v
+        return
+    # the cache one request of max_model_len reserves: vLLM's specs, every layer of every group (a group's
+    # spec is each of its layers'), in whole pages
+    reserved = sum(g["layers"] * b * g["page_bytes"] for g, b in zip(v["groups"], blocks))
+    assert stage.request_cache_bytes == reserved, (stage.request_cache_bytes, v["groups"])
     # requests that fit in the KV_BYTES vLLM was given. vLLM (``get_kv_cache_config_from_groups``,
     # ``get_max_concurrency_for_kv_cache_config``): its groups of G layers share G tensors, so a block id
     # costs G pages (every cache here has one page size) and num_blocks = floor(KV_BYTES / (G x page)); a
@@ -372,7 +383,6 @@ def test_plan_matches_what_vllm_reports(vllm_figures, model):
     pages = {g["page_bytes"] for g in v["groups"]}
     assert len(pages) == 1, v["groups"]
     widest = max(g["layers"] for g in v["groups"])
-    blocks = [-(-g["max_memory_usage_bytes"] // g["page_bytes"]) for g in v["groups"]]
     planned = KV_BYTES // stage.request_cache_bytes
     vllm = int(v["max_concurrency"])
     if all(g["layers"] == widest for g in v["groups"]):

@@ -1,13 +1,15 @@
 """Memory of DeepSeek-V4 on this adapter, derived from a config (no hand-entered numbers).
 
 * ``layer_caches``: the paged caches an attention layer of each type declares to vLLM (one KV-cache
-  spec each, the same page size for all): sliding layers the window; CSA layers the window, the
+  spec each, ``CacheGeometry.kv_cache_spec``): sliding layers the window; CSA layers the window, the
   compressor's and the indexer's states of their last two windows, one entry and one indexer key per
   ``rate`` tokens; HCA layers the window, the compressor's states of its last window and one entry
-  per ``rate`` tokens. ``attention.py`` builds its specs from these.
-* ``request_cache_bytes``: the pages vLLM holds for one request of ``tokens`` tokens (a full cache's
-  blocks up to its last token; a sliding cache's blocks of its last window), every layer; the memory
-  bench compares it with the blocks vLLM's scheduler really holds.
+  per ``rate`` tokens. Every block spans HIT_TOKENS positions (full caches) or a divisor of it
+  (sliding caches): a prefix-cache hit every HIT_TOKENS tokens (``hit_tokens``).
+* ``cache_groups``: how vLLM groups these caches, and the bytes of one block id (every group's pages).
+* ``request_cache_bytes``: the blocks vLLM holds for one request of ``tokens`` tokens (a full cache's
+  blocks up to its last token; a sliding cache's blocks of its last window), a block id's bytes each;
+  the memory bench compares it with the blocks vLLM's scheduler really holds.
 * ``weight_bytes_per_device``: parameters as served (dequantized to ``dtype_bytes``; mHC and router
   float32), with the routed experts split over ``ep`` devices and the attention / shared / embedding
   weights over ``tp`` (the shared K=V head, compressors, indexer, router and mHC weights replicated),
