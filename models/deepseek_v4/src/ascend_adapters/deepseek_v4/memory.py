@@ -143,29 +143,40 @@ def layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
 @dataclasses.dataclass(frozen=True)
 class CacheGroup:
     geometry: CacheGeometry  # of a sliding group; of the full group, its block span (rows vary by cache)
-    layers: int  # caches in the group
+    page_bytes: int  # the group's pages of one block id, summed over its caches
+    layers: tuple[int, ...]  # the decoder layers whose caches it holds (a full group: one per cache)
 
 
-def cache_groups(config, layer_types: list[str], dtype_bytes: int) -> tuple[list[CacheGroup], int]:
+def cache_groups(
+    config, layer_types: list[str], dtype_bytes: int, stage: tuple[int, int] | None = None
+) -> tuple[list[CacheGroup], int]:
     """How vLLM groups the caches of ``layer_types`` (0.27.1, 0.28.0 and 0.32.0 alike, the backend declaring
     a block-outermost layout), and the bytes of one block id: every full cache in one group; the sliding
-    caches by geometry, a geometry split into as many groups as it takes to keep each group's pages within
-    the full group's. One block id spans every group's pages (the slab, the full group's), whichever group
-    holds it. Returns the groups and the slab's bytes."""
-    full_bytes, full, sliding = 0, [], {}
-    for t in layer_types:
+    caches by geometry, a geometry dealt out layer by layer into as many groups as it takes to keep each
+    group's pages within the full group's. One block id spans every group's pages, whichever group holds
+    it. ``stage``: a pipeline stage's layers ``[start, end)``: vLLM groups the whole model, then keeps each
+    group's caches of the stage (a group without any is left out here: it holds no block there). Returns the
+    groups and a block id's bytes (the largest group's pages)."""
+    full, sliding = [], {}
+    for i, t in enumerate(layer_types):
         for g in layer_caches(config, t).values():
             if g.sliding_window is None:
-                full_bytes += g.page_bytes(dtype_bytes)
-                full.append(g)
+                full.append((i, g))
             else:
-                sliding[g] = sliding.get(g, 0) + 1
-    slab = full_bytes or max(g.page_bytes(dtype_bytes) * n for g, n in sliding.items())
-    groups = [CacheGroup(full[0], len(full))] if full else []
-    for g, n in sliding.items():
-        split = -(-g.page_bytes(dtype_bytes) * n // slab)
-        groups += [CacheGroup(g, n // split + (i < n % split)) for i in range(split)]
-    return groups, slab
+                sliding.setdefault(g, []).append(i)
+    full_bytes = sum(g.page_bytes(dtype_bytes) for _, g in full)
+    split_at = full_bytes or max(g.page_bytes(dtype_bytes) * len(ls) for g, ls in sliding.items())
+    members = [(full[0][1], [(i, g.page_bytes(dtype_bytes)) for i, g in full])] if full else []
+    for g, ls in sliding.items():
+        split = -(-g.page_bytes(dtype_bytes) * len(ls) // split_at)
+        members += [(g, [(i, g.page_bytes(dtype_bytes)) for i in ls[k::split]]) for k in range(split)]
+    groups = []
+    for g, caches in members:
+        if stage is not None:
+            caches = [(i, p) for i, p in caches if stage[0] <= i < stage[1]]
+        if caches:
+            groups.append(CacheGroup(g, sum(p for _, p in caches), tuple(i for i, _ in caches)))
+    return groups, max(g.page_bytes for g in groups)
 
 
 def hit_tokens(config) -> int:
@@ -396,7 +407,7 @@ def memory_plan(raw: dict, req):
     stages = []
     for s, (start, end) in enumerate(parts):
         weights = stage_parameter_bytes(config, start, end, s == 0, s == len(parts) - 1, req.tp, req.dtype_bytes)
-        groups, slab = cache_groups(config, served[start:end], req.dtype_bytes)
+        groups, slab = cache_groups(config, served, req.dtype_bytes, stage=(start, end))
         blocks = sum(reserved_blocks(g.geometry, req.max_model_len, req.max_num_batched_tokens) for g in groups)
         stages.append(StageMemory((start, end), weights, blocks * slab, slab))
     held = request_cache_bytes(config, req.max_model_len, req.dtype_bytes)
