@@ -18,8 +18,8 @@ rewritten when its position is computed again, and exactness does not depend on 
 into chunks: each token reads only positions of its own request written before.
 
 A step is one pass over all its tokens: every row the step brings is written first (one scatter per
-cache, slots from the block tables), then each grid of queries (``backend.Segment``: all the step's
-decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows and
+cache, slots from the block tables), then every grid of queries (``backend.Segment``: all the step's
+decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows, and then each
 attends, reading its requests' rows through their block tables. Positions, sequence starts and masks
 are device tensors; the host holds only shapes, so a uniform decode step replays from a graph.
 """
@@ -223,8 +223,8 @@ class DeepseekV4Attention(nn.Module):
     # -- a step ------------------------------------------------------------------------------
     def attend(self, x, q, kv, qr, positions, out) -> None:
         """The body of ``vllm::dsv4_attention``: every token of the step over its request's caches,
-        written into ``out``. Every row the step brings is written first; then each grid of queries
-        (``backend.Segment``) closes its windows and attends."""
+        written into ``out``. Every row the step brings is written first; then every grid of queries
+        (``backend.Segment``) closes its windows; then each attends."""
         md = get_forward_context().attn_metadata
         window = self.caches[WINDOW]
         if not isinstance(md, dict) or window.layer_name not in md or window.kv_cache.numel() == 0:
@@ -244,17 +244,23 @@ class DeepseekV4Attention(nn.Module):
                 _write(cache, *_slots(cache, tables[kind], req, positions), comp.states(x, positions))
         # each request's first position this step (its padding requests: the step's last token's)
         starts = positions[step.query_start_loc.clamp(max=n - 1)]
+        grids = []
         for seg in step.segments:
-            a, b = seg.token_rows
             reqs = slice(seg.first_request, seg.first_request + seg.requests)
             seg_tables = {kind: t[reqs] for kind, t in tables.items()}
             # the grid's token rows and positions; cells past a request's last query are padding
             rows = step.query_start_loc[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
             valid = rows < step.query_start_loc[seg.first_request + 1 : seg.first_request + seg.requests + 1, None]
-            rows = rows.clamp(max=n - 1)
             qpos = starts[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
-            if self.compressor is not None:
+            grids.append((seg, seg_tables, rows.clamp(max=n - 1), valid, qpos))
+        if self.compressor is not None:
+            # every entry the step closes before any query reads: a request whose prefix-cache hit covers blocks
+            # another request of the same step computes reads their entries, whichever grid comes first
+            for _, seg_tables, _, valid, qpos in grids:
                 self._close_windows(seg_tables, qpos, valid)
+        for seg, seg_tables, rows, _, qpos in grids:
+            a, b = seg.token_rows
+            reqs = slice(seg.first_request, seg.first_request + seg.requests)
             grid = self._attend_grid(x[rows], q[rows], qr[rows], qpos, starts[reqs] + seg.offset, seg_tables, step)
             # each token of the segment from its cell of the grid
             tok = torch.arange(a, b, device=x.device)
