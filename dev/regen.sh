@@ -33,6 +33,7 @@ benches() {
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-mtp
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --skip-mtp --out .nox/bench/bench_deepseek_v4.json
     bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-memory
+    bench models/deepseek_v4/bench/bench_deepseek_v4.py --only-prefix
     # decode scaling (issue #46 item 7), one adapter at a time, each at idle: tiny then real width
     for m in rwkv7 glm_dsa deepseek_v4; do
         bench common/bench/bench_decode_scaling.py --model "$m" --out .nox/bench/bench_decode_scaling.json

@@ -30,6 +30,11 @@ MTP speculative decoding. A tiny checkpoint whose MTP layer was fitted to its ow
 (``testing.mtp_fit.make_deepseek_v4_mtp_fitted``) is served compiled with 2 MTP drafts and without: decode tokens/s at batch 1
 and 8, greedy tokens compared, and the acceptance rate per draft position from vLLM's counters (target
 in ``MTP_TARGETS``; ``test_deepseek_v4_mtp`` holds served acceptance to this record).
+``--only-prefix`` (record deepseek_v4/bench-deepseek_v4-prefix): prefix caching on the Flash layout. The tiny
+checkpoint with Flash's compression rates is served twice, prefix caching on then off, and 16 requests sharing a
+300-token system prompt (then 40 tokens of their own) are sent one after another: cached tokens per request
+(target: at least 256 after the first) and the median time to first token, off over on (target: at least 1.5x);
+plus what 128-token hits cost on Flash's shape (``prefix_cost``, from memory.py).
 The script exits non-zero when a check of a record it wrote failed.
 """
 
