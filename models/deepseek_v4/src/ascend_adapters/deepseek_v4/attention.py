@@ -252,15 +252,14 @@ class DeepseekV4Attention(nn.Module):
             rows = step.query_start_loc[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
             valid = rows < step.query_start_loc[seg.first_request + 1 : seg.first_request + seg.requests + 1, None]
             qpos = starts[reqs, None] + seg.offset + torch.arange(seg.queries, device=x.device)
-            grids.append((seg, seg_tables, rows.clamp(max=n - 1), valid, qpos))
+            grids.append((seg, reqs, seg_tables, rows.clamp(max=n - 1), valid, qpos))
         if self.compressor is not None:
             # every entry the step closes before any query reads: a request whose prefix-cache hit covers blocks
             # another request of the same step computes reads their entries, whichever grid comes first
-            for _, seg_tables, _, valid, qpos in grids:
+            for _, _, seg_tables, _, valid, qpos in grids:
                 self._close_windows(seg_tables, qpos, valid)
-        for seg, seg_tables, rows, _, qpos in grids:
+        for seg, reqs, seg_tables, rows, _, qpos in grids:
             a, b = seg.token_rows
-            reqs = slice(seg.first_request, seg.first_request + seg.requests)
             grid = self._attend_grid(x[rows], q[rows], qr[rows], qpos, starts[reqs] + seg.offset, seg_tables, step)
             # each token of the segment from its cell of the grid
             tok = torch.arange(a, b, device=x.device)
