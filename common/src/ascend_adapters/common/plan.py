@@ -38,6 +38,8 @@ import json
 import sys
 from pathlib import Path
 
+from ascend_adapters.common.policy import FP8_CACHE_DTYPES
+
 GIB = 1 << 30
 
 # docs/references.md#ascend-device-memory: vllm-ascend sizes both nodes in 64G devices
@@ -71,6 +73,7 @@ class Request:
     dtype: str  # served dtype (the checkpoint's torch_dtype unless --dtype)
     block_size: int = BLOCK_SIZE
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
+    kv_cache_dtype: str = "auto"  # "auto": the served dtype; fp8 / fp8_e4m3: the 8-bit cache (kernels.kv8)
 
     @property
     def dtype_bytes(self) -> int:
@@ -189,6 +192,8 @@ def plan(model_dir: str, device: str, req: Request, *, memory_bytes: int | None 
         raise PlanError(f"--gpu-memory-utilization {utilization}: must be in (0, 1]")
     raw = read_config(model_dir)
     arch, memory = adapter_memory_module(raw, model_dir)
+    if req.kv_cache_dtype != "auto" and not getattr(memory, "EIGHT_BIT_CACHE", False):
+        raise PlanError(f"--kv-cache-dtype {req.kv_cache_dtype}: {arch}'s caches are stored in the served dtype only")
     try:
         mm = memory.memory_plan(raw, req)
     except PlanError as exc:
@@ -272,7 +277,8 @@ def format_plan(p: dict) -> str:
     layout = f"TP{r['tp']}" + (f" x PP{r['pp']}" if r["pp"] > 1 else "")
     lines = [
         f"{p['arch']} from {p['model_dir']}: {layout} on {p['devices']} device(s) ({p['nodes']} node(s)), "
-        f"{r['dtype']}, max_model_len {r['max_model_len']}, block size {r['block_size']}",
+        f"{r['dtype']}{'' if r['kv_cache_dtype'] == 'auto' else ', ' + r['kv_cache_dtype'] + ' KV cache'}, "
+        f"max_model_len {r['max_model_len']}, block size {r['block_size']}",
         f"device: {p['device_note']}; vLLM uses {p['gpu_memory_utilization']} of {_size(p['device_bytes'])} = "
         f"{_size(p['usable_bytes'])}",
     ]
@@ -310,6 +316,8 @@ def add_parsers(sub) -> None:
     ap.add_argument("--max-model-len", type=int, required=True, metavar="L", help="context length per request")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                     help="served dtype (default: config.json's torch_dtype / dtype, else bfloat16)")  # fmt: skip
+    ap.add_argument("--kv-cache-dtype", choices=("auto", *FP8_CACHE_DTYPES), default="auto",
+                    help="the cache as served: auto (the served dtype) or 8-bit (GLM-DSA)")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="B",
                     help=f"KV-cache block size (default {BLOCK_SIZE}, vllm-ascend's)")  # fmt: skip
     ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS, metavar="T",
@@ -346,6 +354,7 @@ def _run(args) -> int:
             dtype=served_dtype(raw, args.dtype),
             block_size=args.block_size,
             max_num_batched_tokens=args.max_num_batched_tokens,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
         memory = None if args.device_memory_gib is None else int(args.device_memory_gib * GIB)
         if memory is not None and memory <= 0:

@@ -137,18 +137,26 @@ CACHE_DTYPE_FLAGS = {
 }
 
 
-def cache_dtype_refusal(vllm_config, what: str) -> str | None:
+# the --kv-cache-dtype values served as the 8-bit cache (``kernels.kv8``): vLLM's "fp8" is e4m3 wherever it has it
+FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+
+
+def cache_dtype_refusal(vllm_config, what: str, *, eight_bit: bool = False) -> str | None:
     """One line refusing a cache-dtype flag the adapter does not honour (None: every flag is 'auto' or names
-    the model dtype, which is what the adapter stores ``what`` in)."""
+    the model dtype, which is what the adapter stores ``what`` in, or, with ``eight_bit``, ``--kv-cache-dtype``
+    names the 8-bit format the adapter also stores it in: ``FP8_CACHE_DTYPES``)."""
     import torch
 
     dtype = vllm_config.model_config.dtype
     model_dtype = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+    served = ("auto", model_dtype)
     for attr, flag in CACHE_DTYPE_FLAGS.items():
         asked = str(getattr(vllm_config.cache_config, attr, "auto"))
-        if asked not in ("auto", model_dtype):
+        served_here = served + (FP8_CACHE_DTYPES if eight_bit and attr == "cache_dtype" else ())
+        if asked not in served_here:
+            also = f" or 8-bit ({flag} {' / '.join(FP8_CACHE_DTYPES)})" if len(served_here) > len(served) else ""
             return (
-                f"{flag} {asked} is not served: {what} is stored in the model dtype ({model_dtype}); "
+                f"{flag} {asked} is not served: {what} is stored in the model dtype ({model_dtype}){also}; "
                 f"serve with {flag} auto"
             )
     return None

@@ -9,9 +9,17 @@ package registers:
 * ``common.swiglu_experts`` (``experts``): routed float experts with that SwiGLU, grouped by expert;
   ``experts.grouped_experts`` routes, sorts and groups on the device for every MoE kernel here (the
   float op and ModelSlim's W8A8 experts), one grouped GEMM per projection;
-* ``common.rope_interleaved`` (``rope``): interleaved ("GPT-J") RoPE on the trailing channels.
+* ``common.rope_interleaved`` (``rope``): interleaved ("GPT-J") RoPE on the trailing channels;
+* ``common.kv8_quantize`` / ``common.kv8_dequantize`` (``kv8``): the 8-bit KV cache's rows (float8 e4m3
+  codes, a float32 scale per part), and ``kv8.CacheRows``, a layer's choice between them and the model dtype.
 """
 
-from ascend_adapters.common.kernels import activation, experts, rope  # noqa: F401
+from ascend_adapters.common.kernels import activation, experts, kv8, rope  # noqa: F401
 
-OPS = ("common.swiglu", "common.swiglu_experts", "common.rope_interleaved")
+OPS = (
+    "common.swiglu",
+    "common.swiglu_experts",
+    "common.rope_interleaved",
+    "common.kv8_quantize",
+    "common.kv8_dequantize",
+)

@@ -38,6 +38,8 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.attention_backend import register_layer
+from ascend_adapters.common.kernels.kv8 import CacheRows
+from ascend_adapters.common.policy import FP8_CACHE_DTYPES
 from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
 from ascend_adapters.deepseek_v4.compressor import DeepseekV4Compressor
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
@@ -87,6 +89,8 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
         super().__init__()
         self.geometry, self.dtype, self.layer_name = geometry, dtype, layer_name
         self.rows_per_block = geometry.rows_per_block
+        # each row stored in the model dtype, or 8-bit with its scale (memory.EIGHT_BIT_KINDS)
+        self.rows = CacheRows((geometry.width,), dtype, FP8_CACHE_DTYPES[0] if geometry.eight_bit else "auto")
         self.kv_cache = torch.tensor([])
         register_layer(layer_name, self)
 
@@ -98,11 +102,11 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
         view = compat.latent_layer_cache(kv_cache)
-        if tuple(view.shape[1:]) != (self.rows_per_block, self.geometry.width):
+        if tuple(view.shape[1:]) != (self.rows_per_block, self.rows.width):
             # an engine that resized this cache's blocks would have its rows addressed with the wrong span
             raise RuntimeError(
                 f"{self.layer_name}: vLLM bound blocks of {tuple(view.shape[1:])} (rows, values), its spec declares "
-                f"({self.rows_per_block}, {self.geometry.width})"
+                f"({self.rows_per_block}, {self.rows.width})"
             )
         self.kv_cache = view
 
@@ -124,7 +128,7 @@ def _grid_requests(rows: torch.Tensor) -> torch.Tensor:
 
 
 def _write(cache: DeepseekV4Cache, block: torch.Tensor, offset: torch.Tensor, values: torch.Tensor) -> None:
-    cache.kv_cache[block, offset] = values.to(cache.kv_cache.dtype)
+    cache.kv_cache[block, offset] = cache.rows.encode(values).to(cache.kv_cache.dtype)
 
 
 class DeepseekV4Attention(nn.Module):
@@ -211,10 +215,12 @@ class DeepseekV4Attention(nn.Module):
         self.rotary_emb = deepseek_v4_rope(config, label, self.max_model_len)
         # compressed entries and the indexer's queries always take the compress set
         self.compress_rotary_emb = deepseek_v4_rope(config, "compress", self.max_model_len)
-        # the caches are children named as their layers (``<prefix>.window_cache``, ...), in the model's dtype:
-        # every value cached is a model-dtype tensor of the reference's arithmetic
+        # the caches are children named as their layers (``<prefix>.window_cache``, ...), in the model's dtype
+        # (every value cached is a model-dtype tensor of the reference's arithmetic) or, under
+        # --kv-cache-dtype fp8, the window, entries and indexer keys 8-bit
+        eight_bit = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
         self.caches: dict[str, DeepseekV4Cache] = {}
-        for kind, geometry in layer_caches(config, self.layer_type).items():
+        for kind, geometry in layer_caches(config, self.layer_type, eight_bit).items():
             cache = DeepseekV4Cache(geometry, torch.get_default_dtype(), f"{prefix}.{kind}_cache")
             setattr(self, f"{kind}_cache", cache)
             self.caches[kind] = cache
@@ -295,7 +301,7 @@ class DeepseekV4Attention(nn.Module):
     def _rows_of(self, kind: str, tables, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows [R, ...]`` of cache ``kind`` of a grid's requests (``tables``: the grid's block tables)."""
         cache = self.caches[kind]
-        return cache.kv_cache[_slots(cache, tables[kind], _grid_requests(rows), rows)]
+        return cache.rows.decode(cache.kv_cache[_slots(cache, tables[kind], _grid_requests(rows), rows)])
 
     def _attend_grid(self, x, q, qr, qpos, first, tables, step) -> torch.Tensor:
         """Attention of a grid of queries ``[R, L]`` (positions ``qpos``; ``first [R]``: each row's

@@ -46,6 +46,12 @@ HIT_TOKENS = 128
 # Every sliding cache has one page size, SLIDING_PAGE_ROWS rows of the lcm of their widths: two sliding caches
 # with the same block and window then have the same width, so vLLM never groups rows of different shapes.
 SLIDING_PAGE_ROWS = 8
+# the caches stored 8-bit under --kv-cache-dtype fp8 (the compressors' states stay in the model dtype: they are
+# pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
+EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
+KV8_SCALE_BYTES = 4
+# ``ascend-adapters plan`` takes --kv-cache-dtype fp8 for this adapter
+EIGHT_BIT_CACHE = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,25 +60,36 @@ class CacheGeometry:
     tokens_per_row: int  # 1: a row per position; rate: a compressed entry per rate positions
     block_size: int  # positions per block
     sliding_window: int | None  # a step reads the sliding_window - 1 positions before its first; None: all
+    # stored 8-bit (--kv-cache-dtype fp8: the window, the entries and the indexer keys; common.kernels.kv8): a
+    # byte a value and one float32 scale a row, whatever the model dtype
+    eight_bit: bool = False
 
     @property
     def rows_per_block(self) -> int:
         return self.block_size // self.tokens_per_row
 
+    @property
+    def stored_width(self) -> int:
+        """A row's width in its storage dtype: values, or bytes when 8-bit (``kv8.row_bytes``)."""
+        return self.width + KV8_SCALE_BYTES if self.eight_bit else self.width
+
     def page_bytes(self, dtype_bytes: int) -> int:
-        return self.rows_per_block * self.width * dtype_bytes
+        return self.rows_per_block * self.stored_width * (1 if self.eight_bit else dtype_bytes)
 
     def kv_cache_spec(self, dtype):
         """vLLM's KV-cache spec of this cache: a full cache an MLA spec of a row per ``tokens_per_row``
-        positions, a sliding cache a sliding-window MLA spec of a row per position."""
+        positions, a sliding cache a sliding-window MLA spec of a row per position (bytes when 8-bit)."""
+        import torch
+
         from ascend_adapters.common import compat
 
+        dtype = torch.uint8 if self.eight_bit else dtype
         if self.sliding_window is None:
             return compat.compressed_attention_spec(
-                block_size=self.block_size, head_size=self.width, dtype=dtype, tokens_per_row=self.tokens_per_row
+                block_size=self.block_size, head_size=self.stored_width, dtype=dtype, tokens_per_row=self.tokens_per_row
             )
         return compat.sliding_window_row_spec(
-            block_size=self.block_size, head_size=self.width, dtype=dtype, sliding_window=self.sliding_window
+            block_size=self.block_size, head_size=self.stored_width, dtype=dtype, sliding_window=self.sliding_window
         )
 
     def blocks(self, tokens: int) -> int:
@@ -120,10 +137,18 @@ def _sliding(config, width: int, window: int) -> CacheGeometry:
     return CacheGeometry(width, 1, block, window)
 
 
-def layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
+def layer_caches(config, layer_type: str, eight_bit: bool = False) -> dict[str, CacheGeometry]:
     """The caches an attention layer of ``layer_type`` holds: sliding layers the window only; CSA layers
     window + the compressor's and the indexer's states (the two windows an overlapping entry pools) +
-    entries + indexer keys; HCA layers window + the compressor's states (one window) + entries."""
+    entries + indexer keys; HCA layers window + the compressor's states (one window) + entries.
+    ``eight_bit``: the EIGHT_BIT_KINDS stored 8-bit (the same positions a block)."""
+    caches = _layer_caches(config, layer_type)
+    if eight_bit:
+        caches = {k: dataclasses.replace(g, eight_bit=k in EIGHT_BIT_KINDS) for k, g in caches.items()}
+    return caches
+
+
+def _layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
     hd = int(config.head_dim)
     caches = {WINDOW: _sliding(config, hd, int(config.sliding_window))}
     if layer_type == LAYER_SLIDING:
@@ -148,7 +173,7 @@ class CacheGroup:
 
 
 def cache_groups(
-    config, layer_types: list[str], dtype_bytes: int, stage: tuple[int, int] | None = None
+    config, layer_types: list[str], dtype_bytes: int, stage: tuple[int, int] | None = None, eight_bit: bool = False
 ) -> tuple[list[CacheGroup], int]:
     """How vLLM groups the caches of ``layer_types`` (0.27.1, 0.28.0 and 0.32.0 alike, the backend declaring
     a block-outermost layout), and the bytes of one block id: every full cache in one group; the sliding
@@ -156,10 +181,10 @@ def cache_groups(
     group's pages within the full group's. One block id spans every group's pages, whichever group holds
     it. ``stage``: a pipeline stage's layers ``[start, end)``: vLLM groups the whole model, then keeps each
     group's caches of the stage (a group without any is left out here: it holds no block there). Returns the
-    groups and a block id's bytes (the largest group's pages)."""
+    groups and a block id's bytes (the largest group's pages). ``eight_bit``: under --kv-cache-dtype fp8."""
     full, sliding = [], {}
     for i, t in enumerate(layer_types):
-        for g in layer_caches(config, t).values():
+        for g in layer_caches(config, t, eight_bit).values():
             if g.sliding_window is None:
                 full.append((i, g))
             else:
@@ -189,10 +214,10 @@ def served_layer_types(config) -> list[str]:
     return list(config.layer_types) if compressed_enabled() else [LAYER_SLIDING] * len(config.layer_types)
 
 
-def request_cache_bytes(config, tokens: int, dtype_bytes: int = 2) -> int:
+def request_cache_bytes(config, tokens: int, dtype_bytes: int = 2, eight_bit: bool = False) -> int:
     """Bytes of the blocks vLLM holds for one request of ``tokens`` positions, every layer: each group's
     blocks, a slab each (``cache_groups``)."""
-    groups, slab = cache_groups(config, served_layer_types(config), dtype_bytes)
+    groups, slab = cache_groups(config, served_layer_types(config), dtype_bytes, eight_bit=eight_bit)
     return slab * sum(g.geometry.blocks(tokens) for g in groups)
 
 
@@ -235,10 +260,12 @@ def weight_bytes_per_device(config, tp: int, ep: int, dtype_bytes: int = 2) -> i
     return per_device + rope_table_bytes(config)
 
 
-def concurrency(config, tokens: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2) -> int:
+def concurrency(
+    config, tokens: int, device_bytes: int, tp: int, ep: int, dtype_bytes: int = 2, eight_bit: bool = False
+) -> int:
     """Requests of ``tokens`` tokens whose caches fit one device after its weights."""
     free = device_bytes - weight_bytes_per_device(config, tp, ep, dtype_bytes)
-    return max(0, free // request_cache_bytes(config, tokens, dtype_bytes))
+    return max(0, free // request_cache_bytes(config, tokens, dtype_bytes, eight_bit))
 
 
 def flash_config():
@@ -286,6 +313,8 @@ def flash_table(device_gib: int = 64, tp: int = 16, ep: int = 16) -> list[dict]:
                 "tokens": length,
                 "request_cache_bytes": request_cache_bytes(cfg, length, 2),
                 "concurrency": concurrency(cfg, length, device_gib << 30, tp, ep),
+                "request_cache_bytes_8bit": request_cache_bytes(cfg, length, 2, eight_bit=True),
+                "concurrency_8bit": concurrency(cfg, length, device_gib << 30, tp, ep, eight_bit=True),
             }
         )
     return rows
@@ -316,7 +345,8 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
     for r in flash_table(device_gib, tp, ep):
         lines.append(
             f"  {_length(r['tokens'])} tokens: {_size(r['request_cache_bytes'])} per request, "
-            f"{r['concurrency']} request(s) per device"
+            f"{r['concurrency']} request(s) per device; --kv-cache-dtype fp8: "
+            f"{_size(r['request_cache_bytes_8bit'])}, {r['concurrency_8bit']}"
         )
     lines.append(f"  a {short}-token request holds {_size(request_cache_bytes(cfg, short))}, whatever max_model_len")
     lines.append(
@@ -387,7 +417,14 @@ def stage_parameter_bytes(config, start: int, end: int, first: bool, last: bool,
 def memory_plan(raw: dict, req):
     """``ascend-adapters plan``: weights and the caches one request of ``req.max_model_len`` reserves, per
     stage (``common.plan.Request`` in, ``common.plan.ModelMemory`` out)."""
-    from ascend_adapters.common.plan import ModelMemory, PlanError, StageMemory, check_layout, pp_partitions
+    from ascend_adapters.common.plan import (
+        FP8_CACHE_DTYPES,
+        ModelMemory,
+        PlanError,
+        StageMemory,
+        check_layout,
+        pp_partitions,
+    )
     from ascend_adapters.deepseek_v4.config import load_transformers_config
 
     try:
@@ -403,16 +440,18 @@ def memory_plan(raw: dict, req):
             f"--max-model-len {req.max_model_len} exceeds max_position_embeddings {config.max_position_embeddings}"
         )
     served = served_layer_types(config)
+    eight_bit = req.kv_cache_dtype in FP8_CACHE_DTYPES
     parts = pp_partitions(layers, req.pp)
     stages = []
     for s, (start, end) in enumerate(parts):
         weights = stage_parameter_bytes(config, start, end, s == 0, s == len(parts) - 1, req.tp, req.dtype_bytes)
-        groups, slab = cache_groups(config, served, req.dtype_bytes, stage=(start, end))
+        groups, slab = cache_groups(config, served, req.dtype_bytes, stage=(start, end), eight_bit=eight_bit)
         blocks = sum(reserved_blocks(g.geometry, req.max_model_len, req.max_num_batched_tokens) for g in groups)
         stages.append(StageMemory((start, end), weights, blocks * slab, slab))
-    held = request_cache_bytes(config, req.max_model_len, req.dtype_bytes)
+    held = request_cache_bytes(config, req.max_model_len, req.dtype_bytes, eight_bit)
     notes = [
-        f"KV cache: every cache a layer declares (sliding window; CSA/HCA compressor states, entries, indexer keys), "
+        f"KV cache: every cache a layer declares (sliding window; CSA/HCA compressor states, entries, indexer keys"
+        f"{'; window, entries and indexer keys 8-bit' if eight_bit else ''}), "
         f"grouped by vLLM into blocks of {stages[0].page_bytes} bytes (every group's pages, whichever group holds "
         f"the block), replicated on every TP rank (one shared K=V head); the count is vLLM's reservation (sliding "
         f"caches: window + {req.max_num_batched_tokens} scheduled tokens); a request of {req.max_model_len} tokens "

@@ -48,7 +48,7 @@ def route_mtp_draft(vllm_config) -> None:
 def check_startup(vllm_config) -> None:
     from ascend_adapters.common.policy import cache_dtype_refusal
 
-    refusal = cache_dtype_refusal(vllm_config, "the window, compressed-entry and indexer caches")
+    refusal = cache_dtype_refusal(vllm_config, "the window, compressed-entry and indexer caches", eight_bit=True)
     if refusal:
         raise ValueError(f"{ARCH} (ascend-adapters portable path): {refusal}")
     model_config = vllm_config.model_config

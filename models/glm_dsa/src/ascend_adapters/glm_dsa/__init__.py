@@ -28,6 +28,8 @@ ARCHITECTURES: dict[str, str] = {
 DRAFT_ARCHITECTURES: dict[str, str] = {"GlmMoeDsaMTP": "ascend_adapters.glm_dsa.mtp:GlmMoeDsaMTP"}
 
 ENABLE_ENV = "ASCEND_ADAPTERS_GLM_DSA"
+# the memory lines ``ascend-adapters status`` prints for it (memory.py)
+STATUS_NOTES = "ascend_adapters.glm_dsa.memory:status_notes"
 
 
 def _cuda_alike(platform) -> bool:

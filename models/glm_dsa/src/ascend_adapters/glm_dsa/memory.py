@@ -2,9 +2,9 @@
 
 * The KV cache: each attention layer declares one latent row per token to vLLM (``model.py``,
   ``GlmDsaAttention.get_kv_cache_spec``: an ``MLAAttentionSpec`` of one KV head, never sharded by TP, in
-  the model dtype): ``kv_lora_rank + qk_rope_head_dim`` values, plus the indexer key
-  (``index_head_dim``) on the sparse path, which ``config.choose_attention_mode`` takes when
-  ``max_model_len`` exceeds ``index_topk``. A block holds ``block_size`` rows; vLLM reserves
+  the model dtype, or 8-bit under ``--kv-cache-dtype fp8``: a byte a value and a float32 scale a part):
+  ``kv_lora_rank + qk_rope_head_dim`` values, plus the indexer key (``index_head_dim``) on the sparse
+  path, which ``config.choose_attention_mode`` takes when ``max_model_len`` exceeds ``index_topk``. A block holds ``block_size`` rows; vLLM reserves
   ``ceil(max_model_len / block_size)`` blocks per layer and request (``max_memory_usage_bytes`` of a
   full-attention spec).
 * The weights per rank, as ``model.py`` builds them: ``q_b_proj``, ``kv_b_proj``, ``o_proj``, the dense
@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 from ascend_adapters.common.plan import (
+    FP8_CACHE_DTYPES,
     ModelMemory,
     PlanError,
     Request,
@@ -48,9 +49,27 @@ def sparse_path(cfg, max_model_len: int) -> bool:
         raise PlanError(str(exc)) from None
 
 
+# the 8-bit latent cache is served (``--kv-cache-dtype fp8``): ``plan`` takes the flag for this adapter
+EIGHT_BIT_CACHE = True
+
+
+def row_parts(cfg, sparse: bool) -> tuple[int, ...]:
+    """The parts of one token's cache row: ``kv_c``, ``k_pe`` and, on the sparse path, the indexer key."""
+    return (int(cfg.kv_lora_rank), int(cfg.qk_rope_head_dim)) + ((int(cfg.index_head_dim),) if sparse else ())
+
+
 def row_width(cfg, sparse: bool) -> int:
     """Values in one token's cache row (``GlmDsaAttention.row_dim``)."""
-    return int(cfg.kv_lora_rank) + int(cfg.qk_rope_head_dim) + (int(cfg.index_head_dim) if sparse else 0)
+    return sum(row_parts(cfg, sparse))
+
+
+def row_bytes(cfg, sparse: bool, req: Request) -> int:
+    """Bytes of one token's cache row as ``req`` serves it: the row in the served dtype, or 8-bit (one e4m3
+    byte a value and a float32 scale a part, ``kernels.kv8``: ``GlmDsaAttention.cache_rows``)."""
+    parts = row_parts(cfg, sparse)
+    if req.kv_cache_dtype in FP8_CACHE_DTYPES:
+        return sum(parts) + 4 * len(parts)
+    return sum(parts) * req.dtype_bytes
 
 
 def _indexer_full(cfg, layer: int) -> bool:
@@ -115,7 +134,7 @@ def memory_plan(raw: dict, req: Request) -> ModelMemory:
         )
     sparse = sparse_path(cfg, req.max_model_len)
     width = row_width(cfg, sparse)
-    page = req.block_size * width * req.dtype_bytes
+    page = req.block_size * row_bytes(cfg, sparse, req)
     per_layer = cdiv(req.max_model_len, req.block_size) * page
     vocab = pad_vocab(int(cfg.vocab_size)) // req.tp * h * req.dtype_bytes
     parts = pp_partitions(layers, req.pp)
@@ -135,8 +154,9 @@ def memory_plan(raw: dict, req: Request) -> ModelMemory:
         else f"dense path (max_model_len <= index_topk {cfg.index_topk}): latent {cfg.kv_lora_rank} + rope "
         f"{cfg.qk_rope_head_dim}"
     )
+    stored = req.dtype if req.kv_cache_dtype == "auto" else "8-bit (e4m3, a float32 scale a part)"
     notes = [
-        f"KV cache: one {width}-value {req.dtype} row per token and layer ({path}), {page} bytes a block, "
+        f"KV cache: one {width}-value {stored} row per token and layer ({path}), {page} bytes a block, "
         "the same on every TP rank (one latent head, not split)",
         "MTP speculative decoding adds the checkpoint's MTP layer (weights and its cache); not counted here",
     ]
@@ -145,3 +165,36 @@ def memory_plan(raw: dict, req: Request) -> ModelMemory:
             "config.json has a quantization_config: the weights above are counted unquantized (an upper bound)"
         )
     return ModelMemory("GlmMoeDsaForCausalLM", "KV cache", stages, notes)
+
+
+def glm5_request_cache(length: int) -> dict[str, int]:
+    """Bytes one request of ``length`` tokens reserves on GLM-5's shape (transformers' GlmMoeDsaConfig defaults;
+    bfloat16, block 128, one rank), per ``--kv-cache-dtype`` (``auto`` and ``fp8``). Past the shape's
+    max_position_embeddings the arithmetic goes on linearly (for comparison with longer-context models)."""
+    from transformers import GlmMoeDsaConfig
+
+    raw = {**GlmMoeDsaConfig().to_dict(), "architectures": ["GlmMoeDsaForCausalLM"]}
+    raw["max_position_embeddings"] = max(raw["max_position_embeddings"], length)
+    out = {}
+    for cache in ("auto", "fp8"):
+        req = Request(tp=1, pp=1, max_model_len=length, dtype="bfloat16", block_size=128, kv_cache_dtype=cache)
+        out[cache] = memory_plan(raw, req).stages[0].request_cache_bytes
+    return out
+
+
+def status_notes(lengths: tuple[int, ...] = (4096, 131072)) -> list[str]:
+    """The lines ``ascend-adapters status`` prints for GLM-DSA (``STATUS_NOTES`` in the hook)."""
+    from transformers import GlmMoeDsaConfig
+
+    cfg = GlmMoeDsaConfig()
+    lines = [
+        f"KV cache (GLM-5 shape, memory.py; sparse path, block 128): one latent row per token and layer (kv_c "
+        f"{cfg.kv_lora_rank} + k_pe {cfg.qk_rope_head_dim} + indexer key {cfg.index_head_dim} values)"
+    ]
+    for n in lengths:
+        per = glm5_request_cache(n)
+        lines.append(
+            f"  {n // 1024}k tokens: {per['auto'] / (1 << 30):.2f} GiB per request in bfloat16; "
+            f"--kv-cache-dtype fp8: {per['fp8'] / (1 << 30):.2f} GiB ({per['fp8'] / per['auto']:.2f}x)"
+        )
+    return lines

@@ -63,6 +63,7 @@ from vllm.v1.kv_cache_interface import KVCacheSpec
 
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.attention_backend import register_layer, token_requests
+from ascend_adapters.common.kernels.kv8 import CacheRows
 from ascend_adapters.common.loading import load_checkpoint, load_module_tensors
 from ascend_adapters.glm_dsa import kernels, remap  # importing kernels registers the kernel ops
 from ascend_adapters.glm_dsa.backend import GlmDsaPortableBackend, decode_context, selected_slots
@@ -282,11 +283,13 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         # latent row: kv_c | k_pe | indexer key (sparse path only; same width for every layer)
         self.index_dim = config.index_head_dim if mode is AttentionMode.SPARSE else 0
         self.row_dim = self.kv_lora_rank + self.rope_dim + self.index_dim
+        # stored in the model dtype, or 8-bit (--kv-cache-dtype fp8: each part its own scale)
+        parts = (self.kv_lora_rank, self.rope_dim) + ((self.index_dim,) if self.index_dim else ())
+        self.cache_rows = CacheRows(parts, torch.get_default_dtype(), cache_config.cache_dtype)
 
         # attention-like layer: vLLM gives it a paged cache and per-step metadata
         self.layer_name = f"{prefix}.attn"
         self.block_size = cache_config.block_size
-        self.cache_dtype = torch.get_default_dtype()
         self.kv_cache = torch.tensor([])
         register_layer(self.layer_name, self)
 
@@ -299,8 +302,8 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             block_size=vllm_config.cache_config.block_size,
             num_kv_heads=1,
             max_tp_shards=1,
-            head_size=self.row_dim,
-            dtype=self.cache_dtype,
+            head_size=self.cache_rows.width,
+            dtype=self.cache_rows.dtype,
         )
 
     def bind_kv_cache(self, kv_cache: torch.Tensor) -> None:
@@ -365,7 +368,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
             md = md.get(self.layer_name)
         if md is None or self.kv_cache.numel() == 0:  # profiling / dummy run: nothing cached yet
             return
-        _cache_write(self.kv_cache, md.slot_mapping, rows)
+        _cache_write(self.kv_cache, md.slot_mapping, self.cache_rows.encode(rows))
         if self.mode is AttentionMode.DENSE:
             self._dense(md, q_lat, q_pe, out)
             return
@@ -381,7 +384,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
     def _prefill_context(self, md, r: int, qs: int, qe: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A prefill chunk's (request ``r``, tokens ``qs:qe``) context rows ``[width, C]`` and each token's
         causal mask over them ``[S, width]``: token ``t`` sees its sequence less the ``qe - 1 - t`` after it."""
-        ctx = _cache_gather(self.kv_cache, md.block_table[r], width)
+        ctx = self.cache_rows.decode(_cache_gather(self.kv_cache, md.block_table[r], width))
         lengths = md.seq_lens[r] - qe + 1 + torch.arange(qs, qe, device=ctx.device)
         return ctx, torch.arange(width, device=ctx.device)[None, :] < lengths[:, None]
 
@@ -391,7 +394,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         d = md.num_decode_tokens
         if d:
             slots, valid = decode_context(md, self.block_size)
-            rows = _cache_rows(self.kv_cache, slots)  # [D, W, C]
+            rows = self.cache_rows.decode(_cache_rows(self.kv_cache, slots))  # [D, W, C]
             out[:d] = attend(q_lat[:d, None], q_pe[:d, None], rows, valid[:, None], self.scaling)[:, 0]
         for r, qs, qe, width in md.prefills:
             ctx, causal = self._prefill_context(md, r, qs, qe, width)
@@ -411,7 +414,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         d = md.num_decode_tokens
         if d:
             slots, valid = decode_context(md, self.block_size)
-            keys = _cache_rows(self.kv_cache, slots)[..., index_keys]  # [D, W, Di]
+            keys = self.cache_rows.decode(_cache_rows(self.kv_cache, slots))[..., index_keys]  # [D, W, Di]
             selection[:d] = self._select(q_idx[:d, None], w_idx[:d, None], keys, valid[:, None])[:, 0]
         for r, qs, qe, width in md.prefills:
             ctx, causal = self._prefill_context(md, r, qs, qe, width)
@@ -427,7 +430,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         top = selection[:n, : min(self.index_topk, md.context_width)]
         req = token_requests(md.query_start_loc[: md.num_reqs + 1], n)
         slots = selected_slots(md.block_table[req], top, self.block_size)
-        rows = _cache_rows(self.kv_cache, slots)  # [T, k, C]
+        rows = self.cache_rows.decode(_cache_rows(self.kv_cache, slots))  # [T, k, C]
         attend = _latent_attention
         out[:n] = attend(q_lat[:n, None], q_pe[:n, None], rows, (top >= 0)[:, None], self.scaling)[:, 0]
 

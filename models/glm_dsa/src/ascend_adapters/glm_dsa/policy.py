@@ -41,7 +41,7 @@ def check_startup(vllm_config) -> None:
         raw_config_dict,
     )
 
-    refusal = cache_dtype_refusal(vllm_config, "the latent cache (kv_c, k_pe, indexer keys)")
+    refusal = cache_dtype_refusal(vllm_config, "the latent cache (kv_c, k_pe, indexer keys)", eight_bit=True)
     refusal = refusal or speculation_refusal(vllm_config, SPECULATIVE_METHODS)
     if refusal:
         raise GlmDsaConfigError(f"{ARCH} (ascend-adapters): {refusal}")

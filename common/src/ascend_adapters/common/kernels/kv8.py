@@ -1,0 +1,93 @@
+"""The 8-bit KV cache (``--kv-cache-dtype fp8``): a cached row as float8 e4m3 codes and a float32 scale
+per part, stored as bytes.
+
+A row of ``C`` values made of parts of widths ``w_1 .. w_n`` (GLM-DSA's ``kv_c | k_pe | indexer key``,
+a DeepSeek-V4 cache's entry) is stored in ``C + 4 n`` bytes::
+
+    [ e4m3 codes of part 1 | ... | of part n | scale_1 ... scale_n (float32, native byte order) ]
+
+``scale_i = max|part_i| / 448`` (448: e4m3's largest finite value, so the largest element maps onto it;
+a part of zeros gets scale 1), each code is ``part_i / scale_i`` rounded to the nearest e4m3 value (ties
+to even: torch's ``float8_e4m3fn`` cast), and a row reads back as ``code * scale_i`` in float32. One
+scale per part, as vLLM's MLA fp8 layouts keep one beside the row (``fp8_ds_mla``: one per 128 values
+of ``kv_c``): a part's magnitude (the rotated ``k_pe``, an indexer key) need not be ``kv_c``'s.
+
+Error of a read, per element ``x`` of a part with largest magnitude ``a``: e4m3 has 3 mantissa bits, so a
+normal code (``|x| / scale >= 2**-6``) is within half a step, ``2**-4 |x|``, and a subnormal one within
+``2**-10 scale = 2**-10 a / 448``; ``|x - read| <= 2**-4 |x| + 2**-10 a / 448``.
+
+``common.kv8_quantize`` / ``common.kv8_dequantize`` are plain torch (a cast, one amax per part), so the
+same ops run on any device that has the float8 dtype. torch_npu documents no float8 e4m3 cast for the
+910B (Atlas A2) kernels, so no NPU twin is registered: an NPU run takes the portable ops, and the
+platform's own cache formats (vllm-ascend's int8 C8 cache for GLM-5, its fp8 MLA layouts) are its
+native path.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ascend_adapters.common import dispatch
+from ascend_adapters.common.policy import FP8_CACHE_DTYPES
+
+E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+SCALE_BYTES = 4  # one float32 per part
+
+
+def row_bytes(parts: tuple[int, ...]) -> int:
+    """Bytes of one stored row."""
+    return sum(parts) + SCALE_BYTES * len(parts)
+
+
+@functools.lru_cache(maxsize=64)
+def _column_parts(parts: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The part index of each of a row's ``sum(parts)`` columns (made once per layout and device)."""
+    return torch.repeat_interleave(torch.arange(len(parts)), torch.tensor(parts)).to(device)
+
+
+@dispatch.portable("common.kv8_quantize")
+def kv8_quantize(rows: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
+    """``rows [..., sum(parts)]`` (any float dtype) as stored bytes ``[..., row_bytes(parts)]`` (uint8)."""
+    x = rows.float()
+    amax = torch.stack([p.abs().amax(dim=-1) for p in x.split(parts, dim=-1)], dim=-1)  # [..., n]
+    scale = torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+    cols = _column_parts(tuple(parts), x.device)
+    codes = (x / scale[..., cols]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).view(torch.uint8)
+    return torch.cat([codes, scale.contiguous().view(torch.uint8)], dim=-1)
+
+
+@dispatch.portable("common.kv8_dequantize")
+def kv8_dequantize(stored: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
+    """Stored bytes ``[..., row_bytes(parts)]`` read back as float32 rows ``[..., sum(parts)]``, every value
+    finite: a row this cache never wrote (a block vLLM lent another cache group, whose pages share the
+    block's bytes: DeepSeek-V4's packed layout) holds any bytes, NaN codes and scales included, and the
+    attention kernels mask such rows by a zero weight, which a NaN would survive. A written row is finite."""
+    width = sum(parts)
+    codes = stored[..., :width].view(torch.float8_e4m3fn).float()
+    scale = stored[..., width : width + SCALE_BYTES * len(parts)].contiguous().view(torch.float32)
+    rows = codes * scale[..., _column_parts(tuple(parts), stored.device)]
+    return torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+
+
+class CacheRows:
+    """How a layer stores its cache rows: in the model dtype, or 8-bit (``--kv-cache-dtype fp8``).
+
+    ``dtype`` / ``width``: the storage dtype and the row's width in it (what the layer's KV-cache spec
+    declares); ``encode`` turns the step's float rows into stored rows, ``decode`` stored rows (any
+    leading shape) back into float rows (float32 from 8-bit, the model dtype otherwise)."""
+
+    def __init__(self, parts: tuple[int, ...], model_dtype: torch.dtype, cache_dtype: str = "auto"):
+        self.parts = tuple(int(p) for p in parts)
+        self.eight_bit = cache_dtype in FP8_CACHE_DTYPES
+        self.dtype = torch.uint8 if self.eight_bit else model_dtype
+        self.width = row_bytes(self.parts) if self.eight_bit else sum(self.parts)
+        self._quantize = dispatch.op("common.kv8_quantize")
+        self._dequantize = dispatch.op("common.kv8_dequantize")
+
+    def encode(self, rows: torch.Tensor) -> torch.Tensor:
+        return self._quantize(rows, self.parts) if self.eight_bit else rows
+
+    def decode(self, stored: torch.Tensor) -> torch.Tensor:
+        return self._dequantize(stored, self.parts) if self.eight_bit else stored

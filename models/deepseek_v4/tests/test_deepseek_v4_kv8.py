@@ -1,0 +1,97 @@
+"""Gate: DeepSeek-V4 with ``--kv-cache-dtype fp8`` (the sliding window, the compressed entries and the indexer
+keys 8-bit: ``memory.EIGHT_BIT_KINDS``, ``common.kernels.kv8``) against transformers' DeepseekV4ForCausalLM
+whose cache stores the same rows through the documented quantisation (``_dsv4_cases.kv8_reference_fn``: the
+OCP E4M3 rounding written out in ``testing.kv8_reference``, no code shared with the adapter).
+
+Bound: ``testing.kv8_reference`` (its module doc derives it from E4M3's step).
+
+Served (eager, float32, prefix caching on): the tiny (CSA rate 4 with the indexer, HCA rate 16, window 16),
+four prompts of 5..300 tokens batched under chunked prefill (64 tokens a step), the longest alone, then a
+prompt sharing the longest's first 256 tokens (two 128-token hits: restored from the 8-bit blocks). Then the
+tiny with an MTP layer at TP=2 with 2 MTP drafts a step: the target's logits against the same reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _dsv4_cases import hf_model, kv8_reference_fn, prompts, reference_fn
+
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.deepseek_v4.memory import hit_tokens
+from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
+from ascend_adapters.testing.engine_worker import engine_run
+from ascend_adapters.testing.kv8_reference import judge
+from ascend_adapters.testing.parity import two_rank_cpu_bind
+
+KV8 = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_dtype": "fp8",
+    "max_model_len": 1024,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 64,
+}
+LENGTHS = (5, 40, 150, 300)
+SHARED = 256  # tokens of the longest prompt a later prompt repeats: two whole 128-token hits
+MAX_TOKENS = 10
+
+
+def _judge(rec, label, model_dir, batches) -> bool:
+    model = hf_model(model_dir)
+    return judge(rec, label, batches, kv8_reference_fn(model), reference_fn(model))
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_batched_chunked_prefix_hit(tmp_path_factory, evidence_root):
+    assert hit_tokens(tiny_config()) == 128 and SHARED % 128 == 0
+    model_dir = make_tiny(tmp_path_factory.mktemp("dsv4_kv8") / "tiny", seed=5)
+    rec = EvidenceRecord(model="deepseek_v4", gate="kv8_parity")
+    ps = prompts(LENGTHS, seed=61)
+    shared = ps[-1][:SHARED] + prompts((30,), seed=62)[0]
+    kwargs = {**KV8, "enable_prefix_caching": True}
+    batches = engine_run(model_dir, [ps, [ps[-1]], [shared]], MAX_TOKENS, kwargs)
+    rec.command(
+        f"vllm.LLM(make_tiny(OUT, seed=5), {kwargs}) greedy {MAX_TOKENS} tokens, raw logits: prompts of {LENGTHS} "
+        f"tokens batched (chunked prefill), the longest alone, then one sharing its first {SHARED} tokens"
+    )
+    rec.command(
+        "transformers DeepseekV4ForCausalLM.from_pretrained(OUT), its cache written 8-bit, on the served tokens"
+    )
+    ok = _judge(rec, "tiny", model_dir, batches)
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
+    cached = batches[2]["rows"][0]["num_cached_tokens"]
+    rec.metric("shared_prompt_cached_tokens", cached)
+    ok &= rec.check(f"the prompt sharing {SHARED} tokens hits them in the 8-bit caches", cached == SHARED, cached)
+    rec.write(evidence_root)
+    assert ok, rec.checks
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_mtp_tp2(tmp_path_factory, evidence_root):
+    env = two_rank_cpu_bind("tensor parallelism 2")
+    model_dir = make_tiny(tmp_path_factory.mktemp("dsv4_kv8_mtp") / "tiny", seed=4, mtp=True)
+    rec = EvidenceRecord(model="deepseek_v4", gate="kv8_mtp_tp2")
+    kwargs = {
+        **KV8,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": 2},
+    }
+    ps = prompts(LENGTHS, seed=63)
+    batches = engine_run(model_dir, [ps, [ps[-1]]], MAX_TOKENS, kwargs, env)
+    rec.command(
+        f"vllm.LLM(make_tiny(OUT, seed=4, mtp=True), {kwargs}) greedy {MAX_TOKENS} tokens, prompts of {LENGTHS} "
+        "tokens batched, then the longest alone"
+    )
+    ok = _judge(rec, "tp2_mtp", model_dir, batches)
+    drafts = sum(b["counters"].get("vllm:spec_decode_num_draft_tokens", 0) for b in batches)
+    rec.metric("draft_tokens", drafts)
+    ok &= rec.check("the MTP layer drafted (its own 8-bit window cache)", drafts > 0, drafts)
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
+    rec.write(evidence_root)
+    assert ok, rec.checks

@@ -1,0 +1,104 @@
+"""Gate: GLM-DSA with ``--kv-cache-dtype fp8`` (the 8-bit latent cache, ``common.kernels.kv8``) against
+transformers' GlmMoeDsaForCausalLM whose cache writes go through the documented quantisation
+(``_glm_dsa_ref.kv8_write_cache``: the OCP E4M3 rounding written out, no code shared with the adapter).
+
+Bound: ``testing.kv8_reference`` (its module doc derives it from E4M3's step).
+
+Served (one engine, eager, float32, prefix caching on): the sparse tiny (index_topk 8) with four prompts of
+3..100 tokens batched under chunked prefill (32 tokens a step), the longest alone, then a prompt sharing
+the longest's first 64 tokens (4 blocks of 16: hit from the 8-bit blocks). Then the MTP-fitted checkpoint
+at TP=2 with 3 MTP drafts a step: the target's logits against the same reference, drafts accepted.
+"""
+
+from __future__ import annotations
+
+import pytest
+from _glm_dsa_ref import Reference, build, random_prompts
+
+from ascend_adapters.common.evidence import EvidenceRecord
+from ascend_adapters.testing.engine_worker import engine_run
+from ascend_adapters.testing.kv8_reference import judge
+from ascend_adapters.testing.parity import two_rank_cpu_bind
+
+KV8 = {
+    "dtype": "float32",
+    "enforce_eager": True,
+    "kv_cache_dtype": "fp8",
+    "max_model_len": 160,
+    "kv_cache_memory_bytes": 64 << 20,
+    "max_num_seqs": 4,
+    "max_num_batched_tokens": 32,
+    "block_size": 16,
+}
+LENGTHS = (3, 21, 64, 100)
+SHARED = 64  # tokens of the longest prompt a later prompt repeats: 4 whole blocks
+MAX_TOKENS = 12
+
+
+def _judge(rec, label: str, ckpt, batches) -> bool:
+    return judge(rec, label, batches, Reference(ckpt, kv8=True), Reference(ckpt))
+
+
+@pytest.fixture(scope="module")
+def sparse_ckpt(tmp_path_factory):
+    return build(tmp_path_factory.mktemp("glm_dsa_kv8"), "tiny-sparse", index_topk=8)
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_sparse_batched_chunked_prefix_hit(sparse_ckpt, evidence_root):
+    rec = EvidenceRecord(model="glm_dsa", gate="kv8_parity")
+    prompts = random_prompts(LENGTHS, seed=2)
+    shared = prompts[-1][:SHARED] + random_prompts((30,), seed=9)[0]
+    kwargs = {**KV8, "enable_prefix_caching": True}
+    batches = engine_run(sparse_ckpt, [prompts, [prompts[-1]], [shared]], MAX_TOKENS, kwargs)
+    rec.command(
+        f"vllm.LLM({sparse_ckpt.name}, {kwargs}) greedy {MAX_TOKENS} tokens, raw logits: prompts of {LENGTHS} "
+        f"tokens batched (chunked prefill), the longest alone, then one sharing its first {SHARED} tokens"
+    )
+    rec.command("transformers GlmMoeDsaForCausalLM.from_pretrained(OUT) with kv8_write_cache, on the served tokens")
+    ok = _judge(rec, "sparse", sparse_ckpt, batches)
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
+    cached = batches[2]["rows"][0]["num_cached_tokens"]
+    rec.metric("shared_prompt_cached_tokens", cached)
+    ok &= rec.check(f"the prompt sharing {SHARED} tokens hits them in the 8-bit cache", cached == SHARED, cached)
+    rec.write(evidence_root)
+    assert ok, rec.checks
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_mtp_tp2(evidence_root, tmp_path_factory):
+    from _glm_dsa_ref import add_released_extras
+
+    from ascend_adapters.testing.mtp_fit import make_glm_dsa_mtp_fitted
+
+    env = two_rank_cpu_bind("tensor parallelism 2")
+    ckpt, _ = make_glm_dsa_mtp_fitted(tmp_path_factory.mktemp("glm_dsa_kv8_mtp") / "fitted")
+    add_released_extras(ckpt)
+    rec = EvidenceRecord(model="glm_dsa", gate="kv8_mtp_tp2")
+    drafts = 3
+    kwargs = {
+        **KV8,
+        "tensor_parallel_size": 2,
+        "distributed_executor_backend": "mp",
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": drafts},
+    }
+    prompts = random_prompts(LENGTHS, seed=21)
+    batches = engine_run(ckpt, [prompts, [prompts[-1]]], MAX_TOKENS, kwargs, env)
+    rec.command(
+        f"mtp_fit.make_glm_dsa_mtp_fitted(OUT); vllm.LLM(OUT, {kwargs}) greedy {MAX_TOKENS} tokens, prompts of "
+        f"{LENGTHS} tokens batched, then the longest alone"
+    )
+    ok = _judge(rec, "tp2_mtp", ckpt, batches)
+    per_pos = [
+        sum(b["counters"].get("vllm:spec_decode_num_accepted_tokens_per_pos", [0] * drafts)[j] for b in batches)
+        for j in range(drafts)
+    ]
+    rec.metric("accepted_per_position", per_pos)
+    ok &= rec.check(f"drafts accepted at every one of the {drafts} draft positions", all(n > 0 for n in per_pos))
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
+    rec.write(evidence_root)
+    assert ok, rec.checks

@@ -1,0 +1,82 @@
+"""The 8-bit KV cache's reference quantisation and the served gates' judgement (GLM-DSA, DeepSeek-V4).
+
+``e4m3_round_trip`` is the documented quantisation written from the OCP 8-bit floating point spec, not
+through torch's float8 cast nor the adapters' ``common.kernels.kv8``: the references (transformers'
+models) pass what they cache through it as they store it.
+
+Bound. Both sides store the same 8-bit value whenever they quantise the same float value: its code is
+fixed by ``x / scale`` alone (``common/tests/test_kv8`` holds the adapters' codes to the OCP table). The
+float rows agree only to float32's accuracy through the layers before them (relative ~1e-6), so a code
+can differ where ``x / scale`` lies within that of a rounding midpoint: E4M3 midpoints are ``2**-4``
+(relative) from a code, so about ``1e-6 / 2**-4 ~ 2e-5`` of the values, each then read back one step
+(``2**-3 |x|``) apart, where the quantisation itself moves every value by up to half a step. Linearised,
+such flips move the logits by about ``2 * 2e-5`` of the quantisation's whole effect ``D`` (the float
+reference against the 8-bit one on the same tokens). The served logits must be within
+``max(TOL, D / FLIP_SHARE)`` of the 8-bit reference (``TOL``: the float gates' 1e-3; ``D / 20`` leaves
+three orders of magnitude over the linearised flips, since one value of a heavily attended row weighs
+more than the average) with the greedy tokens equal, and ``D`` must exceed ten times the served logits'
+distance from the 8-bit reference and ten times ``FLOAT_NOISE``: the served cache is read back as 8-bit
+rows, not as the float ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+TOL = 1e-3  # the float parity gates' bound
+FLIP_SHARE = 20  # codes that differ move the logits by at most D / FLIP_SHARE (module doc)
+# the float paths agree to about this on the tiny checkpoints (float32 through a few layers: the float gates'
+# records show 1e-6 to 1e-5); D must exceed ten times it and ten times the served distance
+FLOAT_NOISE = 1e-5
+
+
+def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Each row (last dimension) of ``x`` quantised and read back: the row's scale is ``max|row| / 448``
+    (448: E4M3's largest finite value; in float32; 1 for a row of zeros), each value over it rounded to the
+    nearest E4M3 value (3 mantissa bits; below the smallest normal 2**-6, steps of 2**-9; ties to even) and
+    multiplied back, in ``x``'s dtype."""
+    y = x.double()
+    amax = y.abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / 448.0, torch.ones_like(amax)).float().double()
+    v = y / scale
+    step = torch.pow(2.0, torch.floor(torch.log2(v.abs().clamp(min=2.0**-6))) - 3)
+    q = (torch.round(v / step) * step).clamp(-448.0, 448.0)  # torch.round: half to even
+    return (q * scale).to(x.dtype)
+
+
+Reference = Callable[[list[int]], torch.Tensor]  # token ids -> logits [len(ids), V]
+
+
+def judge(rec, label: str, batches: list[dict], kv8: Reference, plain: Reference) -> bool:
+    """Every generated step of ``batches`` (``testing.engine_worker.engine_run``'s) against the 8-bit
+    reference ``kv8`` within the module doc's bound, greedy tokens equal, and ``D`` (``kv8`` against the
+    float ``plain`` on the same token sequences) past its floor; metrics and checks into ``rec``."""
+    worst, quantisation, identical = 0.0, 0.0, True
+    for batch in batches:
+        for row in batch["rows"]:
+            t, ids = len(row["prompt_ids"]), row["prompt_ids"] + row["gen_ids"][:-1]
+            want = kv8(ids)
+            quantisation = max(quantisation, float((want - plain(ids)).abs().max()))
+            vocab = min(want.shape[-1], row["logits"].shape[-1])
+            worst = max(worst, float((row["logits"][:, :vocab] - want[t - 1 :, :vocab]).abs().max()))
+            identical &= row["gen_ids"] == want[t - 1 :, :vocab].argmax(-1).tolist()
+    bound = max(TOL, quantisation / FLIP_SHARE)
+    rec.metric(f"{label}_max_abs_diff_vs_8bit_reference", worst)
+    rec.metric(f"{label}_quantisation_effect_D", quantisation)
+    ok = rec.check(
+        f"{label}: logits within max({TOL}, D / {FLIP_SHARE}) = {bound:.4g} of the 8-bit reference at every "
+        "generated step",
+        worst <= bound,
+        worst,
+    )
+    ok &= rec.check(f"{label}: greedy tokens are the 8-bit reference's", identical)
+    floor = 10 * max(worst, FLOAT_NOISE)
+    ok &= rec.check(
+        f"{label}: the quantisation moves the reference's logits by D > 10 x max(the served distance, "
+        f"{FLOAT_NOISE}) = {floor:.3g} (the cache is read back as 8-bit rows)",
+        quantisation > floor,
+        quantisation,
+    )
+    return ok
