@@ -201,6 +201,14 @@ def block_outermost_kv_cache_layouts() -> tuple | None:
     return (KVCacheLayout.BLHNC, KVCacheLayout.BLNHC)
 
 
+def packed_groups_split_by_bytes() -> bool:
+    """How the engine splits a sliding cache's layers into groups when it packs caches of unequal pages into
+    one block id. 0.32 (``_get_packed_kv_cache_groups``, the engine with ``KVCacheLayout``): by bytes, each
+    group's pages within the full-attention group's. 0.27/0.28 (``_get_kv_cache_groups_uniform_groups``): by
+    layer counts (``cdiv`` of a cache's layers by the full group's layer tuples), whatever the page bytes."""
+    return block_outermost_kv_cache_layouts() is not None
+
+
 def retain_prefix_checkpoints(cache_config, every_tokens: int) -> int | None:
     """Keep a sliding-window cache's blocks at every ``every_tokens`` boundary in the prefix cache, so that a
     later prompt sharing any whole multiple of them hits; returns the interval the engine will use.

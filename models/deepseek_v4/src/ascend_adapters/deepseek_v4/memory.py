@@ -181,7 +181,14 @@ def cache_groups(
     group's pages within the full group's. One block id spans every group's pages, whichever group holds
     it. ``stage``: a pipeline stage's layers ``[start, end)``: vLLM groups the whole model, then keeps each
     group's caches of the stage (a group without any is left out here: it holds no block there). Returns the
-    groups and a block id's bytes (the largest group's pages). ``eight_bit``: under --kv-cache-dtype fp8."""
+    groups and a block id's bytes (the largest group's pages). ``eight_bit``: under --kv-cache-dtype fp8.
+
+    0.27/0.28 split by layer counts, not bytes (``compat.packed_groups_split_by_bytes``); on every shape
+    tested (``test_cache_groups_are_vllms``) their split equals the byte rule on the model-dtype pages, which
+    is what is applied there to the 8-bit caches too."""
+    from ascend_adapters.common import compat
+
+    by_bytes = compat.packed_groups_split_by_bytes()
     full, sliding = [], {}
     for i, t in enumerate(layer_types):
         for g in layer_caches(config, t, eight_bit).values():
@@ -189,11 +196,17 @@ def cache_groups(
                 full.append((i, g))
             else:
                 sliding.setdefault(g, []).append(i)
-    full_bytes = sum(g.page_bytes(dtype_bytes) for _, g in full)
-    split_at = full_bytes or max(g.page_bytes(dtype_bytes) * len(ls) for g, ls in sliding.items())
+
+    def split_bytes(g: CacheGeometry) -> int:  # the page that decides a split
+        return (
+            g.page_bytes(dtype_bytes) if by_bytes else dataclasses.replace(g, eight_bit=False).page_bytes(dtype_bytes)
+        )
+
+    full_bytes = sum(split_bytes(g) for _, g in full)
+    split_at = full_bytes or max(split_bytes(g) * len(ls) for g, ls in sliding.items())
     members = [(full[0][1], [(i, g.page_bytes(dtype_bytes)) for i, g in full])] if full else []
     for g, ls in sliding.items():
-        split = -(-g.page_bytes(dtype_bytes) * len(ls) // split_at)
+        split = -(-split_bytes(g) * len(ls) // split_at)
         members += [(g, [(i, g.page_bytes(dtype_bytes)) for i in ls[k::split]]) for k in range(split)]
     groups = []
     for g, caches in members:
