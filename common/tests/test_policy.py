@@ -302,3 +302,17 @@ def test_policy_refusal_is_one_line_before_it_propagates(capsys):
     with pytest.raises(ValueError, match="disagree"):
         policy.verify_and_update_model_config(object())
     assert capsys.readouterr().err == f"{REFUSAL_PREFIX} checkpoint and config.json disagree: missing tensor 'x'\n"
+
+
+def test_eight_bit_cache_refused_on_an_npu(monkeypatch):
+    """On an Ascend NPU the 8-bit cache is refused at start-up, in one line: its float8 e4m3 rows have no
+    documented torch_npu kernel on Atlas A2/A3, so it would fail at the first cache write instead."""
+    from ascend_adapters.common import platform
+    from ascend_adapters.common.policy import cache_dtype_refusal
+
+    config = _config_asking(cache_dtype="fp8")
+    assert cache_dtype_refusal(config, "x", eight_bit=True) is None
+    monkeypatch.setattr(platform, "kernel_path", lambda: platform.KernelPath.NPU)
+    line = cache_dtype_refusal(config, "the latent cache", eight_bit=True)
+    assert line and "\n" not in line and line.startswith("--kv-cache-dtype fp8 is not served on an Ascend NPU"), line
+    assert cache_dtype_refusal(_config_asking(), "x", eight_bit=True) is None

@@ -255,7 +255,7 @@ MEMORY_KV_BYTES = 256 << 20
 MEMORY_CHUNK = 1024
 
 
-def memory_worker(model_dir: str, out: str) -> None:
+def memory_worker(model_dir: str, out: str, kv_cache_dtype: str = "auto") -> None:
     """One in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``: the scheduler's block pool is readable
     here); per length a request alone, its prompt in chunks of ``MEMORY_CHUNK`` tokens: the blocks in use
     after every step (vLLM frees the blocks behind the sliding windows when it schedules a step)."""
@@ -272,6 +272,7 @@ def memory_worker(model_dir: str, out: str) -> None:
         max_num_seqs=1,
         enable_prefix_caching=False,
         skip_tokenizer_init=True,
+        kv_cache_dtype=kv_cache_dtype,
     )
     engine = llm.llm_engine
     scheduler = engine.engine_core.engine_core.scheduler
@@ -324,7 +325,9 @@ def old_fixed_page_bytes(config, max_model_len: int) -> int:
     return per_layer * 4 * config.num_hidden_layers
 
 
-def memory_bench(run: BenchRun) -> dict:
+def memory_bench(run: BenchRun, kv_cache_dtype: str = "auto") -> dict:
+    """The tiny served alone at MEMORY_LENGTHS: the bytes vLLM holds per request against
+    ``memory.request_cache_bytes`` (``kv_cache_dtype``: "auto", or "fp8" for the 8-bit caches)."""
     from ascend_adapters.deepseek_v4.memory import request_cache_bytes
     from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny, tiny_config
 
@@ -338,7 +341,7 @@ def memory_bench(run: BenchRun) -> dict:
             out = f.name
         env = {**os.environ, "VLLM_CPU_NUM_OF_RESERVED_CPU": "0", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
         proc = subprocess.run(
-            [sys.executable, __file__, "--memory-worker", str(model_dir), out],
+            [sys.executable, __file__, "--memory-worker", str(model_dir), out, kv_cache_dtype],
             env=env,
             capture_output=True,
             text=True,
@@ -360,7 +363,7 @@ def memory_bench(run: BenchRun) -> dict:
         # the step before the last: the request has its prompt and 2 generated tokens in the cache (the
         # last step finishes it and frees its blocks)
         after_decode = r["blocks_after_each_step"][-2] * r["bytes_per_block"]
-        formula = request_cache_bytes(cfg, n + 2, dtype_bytes=4)
+        formula = request_cache_bytes(cfg, n + 2, dtype_bytes=4, eight_bit=kv_cache_dtype != "auto")
         r.update(held_bytes=after_decode, formula_bytes=formula, old_fixed_page_bytes=old)
         held.append(after_decode)
         # memory.request_cache_bytes counts the blocks vLLM's managers hold (full caches: every block up to
@@ -370,12 +373,48 @@ def memory_bench(run: BenchRun) -> dict:
         r["held_over_formula"] = round(after_decode / formula, 3)
         r["held_over_old_page"] = round(after_decode / old, 4)
     run.check("what a request holds grows with its own tokens", held == sorted(held) and held[0] < held[-1], held)
+    if kv_cache_dtype != "auto":
+        return res
     run.check(
         f"a {MEMORY_LENGTHS[0]}-token request holds less than a tenth of the old fixed page at max_model_len "
         f"{MEMORY_CONTEXT}",
         held[0] * 10 < old,
         f"{held[0]} vs {old}",
     )
+    return res
+
+
+# 8-bit over bfloat16 KV-cache bytes per request (issue #50)
+KV8_TARGET = 0.55
+KV8_FLASH_LENGTHS = (4096, 131072, 1 << 20)
+
+
+def kv8_bench(run: BenchRun, float32: dict) -> dict:
+    """``--kv-cache-dtype fp8`` (record bench-deepseek_v4-kv8): the tiny served again at MEMORY_LENGTHS with the
+    8-bit caches, vLLM's held bytes against ``memory.request_cache_bytes(eight_bit=True)`` and against the
+    float32 run (``float32``: ``memory_bench``'s result); then DeepSeek-V4-Flash's bytes per request (the same
+    arithmetic) at KV8_FLASH_LENGTHS, bfloat16 against 8-bit, target KV8_TARGET. The compressors' states stay in
+    the model dtype (they are pooled through a softmax of their gates, not attended), so a short request, whose
+    states weigh most, saves least."""
+    from ascend_adapters.deepseek_v4.memory import flash_config, request_cache_bytes
+
+    res = memory_bench(run, "fp8")
+    for n in MEMORY_LENGTHS:
+        r, f = res["lengths"][str(n)], float32["lengths"][str(n)]
+        r["held_over_float32"] = round(r["held_bytes"] / f["held_bytes"], 4)
+    cfg = flash_config()
+    flash = {}
+    for n in KV8_FLASH_LENGTHS:
+        bf16, eight = request_cache_bytes(cfg, n, 2), request_cache_bytes(cfg, n, 2, eight_bit=True)
+        flash[f"{n}_tokens"] = {"bfloat16_bytes": bf16, "fp8_bytes": eight, "ratio": round(eight / bf16, 4)}
+        run.target(
+            f"Flash, {n} tokens: 8-bit over bfloat16 bytes per request",
+            round(eight / bf16, 4),
+            KV8_TARGET,
+            "half the cache memory at long context (issue #50)",
+            at_most=True,
+        )
+    res["flash"] = flash
     return res
 
 
@@ -531,7 +570,7 @@ def main() -> int:
         action="store_true",
         help="only prefix caching on the Flash layout: cached tokens and TTFT, on against off (bench-deepseek_v4-prefix)",
     )
-    ap.add_argument("--memory-worker", nargs=2, help=argparse.SUPPRESS)
+    ap.add_argument("--memory-worker", nargs=3, help=argparse.SUPPRESS)
     add_evidence_dir_argument(ap)
     ap.add_argument("--worker", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--dtype", default="float32", help=argparse.SUPPRESS)
@@ -561,7 +600,11 @@ def main() -> int:
         mem_run.metric("max_model_len", MEMORY_CONTEXT)
         mem_run.write(args.evidence_dir)
         print(json.dumps(mem_run.rec.checks, indent=2))
-        return int(not mem_run.rec.passed)
+        kv8_run = BenchRun("deepseek_v4", "deepseek_v4-kv8")
+        kv8_run.metric("kv8", kv8_bench(kv8_run, mem_run.rec.metrics["memory"]))
+        kv8_run.write(args.evidence_dir)
+        print(json.dumps(kv8_run.rec.checks, indent=2))
+        return int(not (mem_run.rec.passed and kv8_run.rec.passed))
     if args.only_prefix:
         prefix_run = BenchRun("deepseek_v4", "deepseek_v4-prefix")
         prefix_run.metric("prefix", prefix_bench(prefix_run))

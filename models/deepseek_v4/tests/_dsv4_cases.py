@@ -67,10 +67,11 @@ def kv8_reference_fn(model):
     return ref
 
 
-def hf_greedy(model, ids, n: int) -> list[int]:
-    """Greedy continuation by repeated uncached forwards (no generate() cache involved)."""
+def hf_greedy(model, ids, n: int, ref=None) -> list[int]:
+    """Greedy continuation by repeated uncached forwards (no generate() cache involved); ``ref``: the
+    forward (default ``reference_fn(model)``; ``kv8_reference_fn(model)`` for the 8-bit cache)."""
     ids, out = list(ids), []
-    ref = reference_fn(model)
+    ref = ref or reference_fn(model)
     for _ in range(n):
         nxt = int(ref(ids)[-1].argmax())
         out.append(nxt)

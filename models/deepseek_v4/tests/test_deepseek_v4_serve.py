@@ -16,7 +16,7 @@ import shutil
 
 import pytest
 import torch
-from _dsv4_cases import hf_greedy, hf_model, make_native_hca128, prompts
+from _dsv4_cases import hf_greedy, hf_model, kv8_reference_fn, make_native_hca128, prompts
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.common.server import CPU_TEST_ARGS, ServerStartError, VllmServer
@@ -227,27 +227,32 @@ def _metric(srv, name: str) -> float:
 
 @pytest.mark.vllm
 @pytest.mark.gate
-def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root):
+@pytest.mark.parametrize("cache", ["model_dtype", "fp8"])
+def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root, cache):
     """DeepSeek's published layout (native names and keys, Flash's yarn over 1M positions, hash layers,
     CSA 4 / HCA 128, MTP entries) served at max_model_len 1048576 with 768 MiB of KV cache: 16 short
     requests run at once (each holds pages for its own tokens, not for 1M), every greedy token equals
     transformers', and prompts sharing 1,024 to 4,100 tokens of a long one hit the prefix cache in whole
-    128-token units (vLLM's hit counter per request)."""
+    128-token units (vLLM's hit counter per request). ``fp8``: the same with ``--kv-cache-dtype fp8`` in half
+    the KV memory (384 MiB), the greedy tokens transformers' with its cache written 8-bit
+    (``_dsv4_cases.kv8_reference_fn``)."""
     import threading
     import time
 
     hf_dir, native = make_native_hca128(tmp_path_factory.mktemp("dsv4flash"), long_context=True)
     model = hf_model(hf_dir)
+    eight_bit = cache == "fp8"
+    ref = kv8_reference_fn(model) if eight_bit else None
     short = prompts([5 + (135 * i) // (CONCURRENT - 1) for i in range(CONCURRENT)], seed=41)  # 5 .. 140 tokens
     # prefix hits are whole multiples of every cache's block span: 128 tokens (memory.hit_tokens)
     long_prompt, tail = prompts([4200, 40], seed=42)
     shared = [long_prompt[:n] + tail for n in LONG_SHARES]
     args = [
         "--dtype", "float32", "--enforce-eager", "--max-model-len", str(FLASH_CONTEXT),
-        "--kv-cache-memory-bytes", str(KV_BYTES), "--max-num-seqs", str(CONCURRENT),
+        "--kv-cache-memory-bytes", str(KV_BYTES // 2 if eight_bit else KV_BYTES), "--max-num-seqs", str(CONCURRENT),
         "--enable-prefix-caching", "--max-num-batched-tokens", "4096",
-    ]  # fmt: skip
-    rec = EvidenceRecord(model="deepseek_v4", gate="flash_layout_1m_context")
+    ] + (["--kv-cache-dtype", "fp8"] if eight_bit else [])  # fmt: skip
+    rec = EvidenceRecord(model="deepseek_v4", gate="flash_layout_1m_context" + ("_kv8" if eight_bit else ""))
     with VllmServer(native, args=args, startup_timeout=900) as srv:
         rec.command(" ".join(srv.cmd))
         results, running = [None] * CONCURRENT, [0.0]
@@ -275,8 +280,8 @@ def test_flash_layout_at_1m_context(tmp_path_factory, evidence_root):
             before = _metric(srv, "vllm:prefix_cache_hits_total")
             long_runs.append(_served_ids(srv, p))
             hits.append(_metric(srv, "vllm:prefix_cache_hits_total") - before)
-    want = [hf_greedy(model, p, N_TOKENS) for p in short]
-    want_long = [hf_greedy(model, p, N_TOKENS) for p in (long_prompt, *shared)]
+    want = [hf_greedy(model, p, N_TOKENS, ref) for p in short]
+    want_long = [hf_greedy(model, p, N_TOKENS, ref) for p in (long_prompt, *shared)]
     expected_hits = [0] + [n // 128 * 128 for n in LONG_SHARES]
     rec.metric("prompt_lengths", [len(p) for p in short])
     rec.metric("max_requests_running", running[0])

@@ -149,6 +149,16 @@ def cache_dtype_refusal(vllm_config, what: str, *, eight_bit: bool = False) -> s
 
     dtype = vllm_config.model_config.dtype
     model_dtype = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else str(dtype)
+    if eight_bit and str(getattr(vllm_config.cache_config, "cache_dtype", "auto")) in FP8_CACHE_DTYPES:
+        from ascend_adapters.common.platform import KernelPath, kernel_path
+
+        if kernel_path() is KernelPath.NPU:
+            # torch_npu-npu_quantize.md 参数说明, dtype: qint8, quint8, int32, quint4x2 (Atlas A2/A3)
+            return (
+                f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} is not served on an Ascend NPU: {what} would "
+                "be stored as float8 e4m3, for which torch_npu documents no Atlas A2/A3 kernel (npu_quantize "
+                "writes qint8, quint8, int32 or quint4x2); serve with --kv-cache-dtype auto"
+            )
     served = ("auto", model_dtype)
     for attr, flag in CACHE_DTYPE_FLAGS.items():
         asked = str(getattr(vllm_config.cache_config, attr, "auto"))

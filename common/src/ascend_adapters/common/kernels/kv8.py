@@ -16,11 +16,11 @@ Error of a read, per element ``x`` of a part with largest magnitude ``a``: e4m3 
 normal code (``|x| / scale >= 2**-6``) is within half a step, ``2**-4 |x|``, and a subnormal one within
 ``2**-10 scale = 2**-10 a / 448``; ``|x - read| <= 2**-4 |x| + 2**-10 a / 448``.
 
-``common.kv8_quantize`` / ``common.kv8_dequantize`` are plain torch (a cast, one amax per part), so the
-same ops run on any device that has the float8 dtype. torch_npu documents no float8 e4m3 cast for the
-910B (Atlas A2) kernels, so no NPU twin is registered: an NPU run takes the portable ops, and the
-platform's own cache formats (vllm-ascend's int8 C8 cache for GLM-5, its fp8 MLA layouts) are its
-native path.
+``common.kv8_quantize`` / ``common.kv8_dequantize`` are plain torch (a cast, one amax per part). torch_npu
+documents no float8 e4m3 quantisation for Atlas A2/A3 (910B/910C: ``npu_quantize`` writes qint8, quint8,
+int32 or quint4x2), so no NPU twin is registered and the start-up policy refuses the 8-bit cache on an NPU
+(``policy.cache_dtype_refusal``); there the platform's own formats (vllm-ascend's int8 C8 cache for GLM-5)
+are the native path.
 """
 
 from __future__ import annotations
