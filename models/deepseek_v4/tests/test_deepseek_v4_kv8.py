@@ -37,9 +37,9 @@ SHARED = 256  # tokens of the longest prompt a later prompt repeats: two whole 1
 MAX_TOKENS = 10
 
 
-def _judge(rec, label, model_dir, batches) -> bool:
+def _judge(rec, label, model_dir, batches, shared: int | None = None) -> bool:
     model = hf_model(model_dir)
-    return judge(rec, label, batches, kv8_reference_fn(model), reference_fn(model))
+    return judge(rec, label, batches, kv8_reference_fn(model), reference_fn(model), shared)
 
 
 @pytest.mark.vllm
@@ -59,12 +59,7 @@ def test_kv8_batched_chunked_prefix_hit(tmp_path_factory, evidence_root):
     rec.command(
         "transformers DeepseekV4ForCausalLM.from_pretrained(OUT), its cache written 8-bit, on the served tokens"
     )
-    ok = _judge(rec, "tiny", model_dir, batches)
-    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
-    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
-    cached = batches[2]["rows"][0]["num_cached_tokens"]
-    rec.metric("shared_prompt_cached_tokens", cached)
-    ok &= rec.check(f"the prompt sharing {SHARED} tokens hits them in the 8-bit caches", cached == SHARED, cached)
+    ok = _judge(rec, "tiny", model_dir, batches, SHARED)
     rec.write(evidence_root)
     assert ok, rec.checks
 
@@ -91,7 +86,5 @@ def test_kv8_mtp_tp2(tmp_path_factory, evidence_root):
     drafts = sum(b["counters"].get("vllm:spec_decode_num_draft_tokens", 0) for b in batches)
     rec.metric("draft_tokens", drafts)
     ok &= rec.check("the MTP layer drafted (its own 8-bit window cache)", drafts > 0, drafts)
-    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
-    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -35,8 +35,8 @@ SHARED = 64  # tokens of the longest prompt a later prompt repeats: 4 whole bloc
 MAX_TOKENS = 12
 
 
-def _judge(rec, label: str, ckpt, batches) -> bool:
-    return judge(rec, label, batches, Reference(ckpt, kv8=True), Reference(ckpt))
+def _judge(rec, label: str, ckpt, batches, shared: int | None = None) -> bool:
+    return judge(rec, label, batches, Reference(ckpt, kv8=True), Reference(ckpt), shared)
 
 
 @pytest.fixture(scope="module")
@@ -57,12 +57,7 @@ def test_kv8_sparse_batched_chunked_prefix_hit(sparse_ckpt, evidence_root):
         f"tokens batched (chunked prefill), the longest alone, then one sharing its first {SHARED} tokens"
     )
     rec.command("transformers GlmMoeDsaForCausalLM.from_pretrained(OUT) with kv8_write_cache, on the served tokens")
-    ok = _judge(rec, "sparse", sparse_ckpt, batches)
-    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
-    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
-    cached = batches[2]["rows"][0]["num_cached_tokens"]
-    rec.metric("shared_prompt_cached_tokens", cached)
-    ok &= rec.check(f"the prompt sharing {SHARED} tokens hits them in the 8-bit cache", cached == SHARED, cached)
+    ok = _judge(rec, "sparse", sparse_ckpt, batches, SHARED)
     rec.write(evidence_root)
     assert ok, rec.checks
 
@@ -98,7 +93,5 @@ def test_kv8_mtp_tp2(evidence_root, tmp_path_factory):
     ]
     rec.metric("accepted_per_position", per_pos)
     ok &= rec.check(f"drafts accepted at every one of the {drafts} draft positions", all(n > 0 for n in per_pos))
-    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
-    ok &= rec.check("batched tokens equal the single-prompt tokens", same)
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -49,10 +49,12 @@ def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:
 Reference = Callable[[list[int]], torch.Tensor]  # token ids -> logits [len(ids), V]
 
 
-def judge(rec, label: str, batches: list[dict], kv8: Reference, plain: Reference) -> bool:
-    """Every generated step of ``batches`` (``testing.engine_worker.engine_run``'s) against the 8-bit
-    reference ``kv8`` within the module doc's bound, greedy tokens equal, and ``D`` (``kv8`` against the
-    float ``plain`` on the same token sequences) past its floor; metrics and checks into ``rec``."""
+def judge(rec, label: str, batches: list[dict], kv8: Reference, plain: Reference, shared: int | None = None) -> bool:
+    """Every generated step of ``batches`` (``testing.engine_worker.engine_run``'s: prompts batched, then the
+    last of them alone, then, with ``shared``, a prompt repeating its first ``shared`` tokens) against the
+    8-bit reference ``kv8`` within the module doc's bound, greedy tokens equal, ``D`` (``kv8`` against the
+    float ``plain`` on the same token sequences) past its floor, the batched tokens the lone ones, and the
+    shared prompt's hit all ``shared`` tokens; metrics and checks into ``rec``."""
     worst, quantisation, identical = 0.0, 0.0, True
     for batch in batches:
         for row in batch["rows"]:
@@ -79,4 +81,10 @@ def judge(rec, label: str, batches: list[dict], kv8: Reference, plain: Reference
         quantisation > floor,
         quantisation,
     )
+    same = batches[0]["rows"][-1]["gen_ids"] == batches[1]["rows"][0]["gen_ids"]
+    ok &= rec.check(f"{label}: batched tokens equal the single-prompt tokens", same)
+    if shared:
+        cached = batches[2]["rows"][0]["num_cached_tokens"]
+        rec.metric(f"{label}_shared_prompt_cached_tokens", cached)
+        ok &= rec.check(f"{label}: the prompt sharing {shared} tokens hits them in the 8-bit cache", cached == shared)
     return ok
