@@ -116,3 +116,22 @@ def test_bytes_never_written_read_back_finite():
     read = kv8.kv8_dequantize(stored, parts)
     assert torch.isfinite(read).all()
     assert not torch.isfinite(stored[:, :4].view(torch.float8_e4m3fn).float()).all()  # the codes held NaNs
+
+
+def test_a_write_and_a_read_are_graph_shaped():
+    """Quantising a step's rows and reading rows back read no device value on the host and dispatch the
+    same ops at 2 and at 64 rows (``testing.capture.HostReads``): they sit inside captured decode steps. (One
+    row is one op fewer: its scale bytes are contiguous already, so reading them copies nothing.)"""
+    from ascend_adapters.testing.capture import HostReads
+
+    rows = kv8.CacheRows(PARTS, torch.float32, "fp8")
+    ops = []
+    for n in (2, 64):
+        x = _rows((n,))
+        rows.decode(rows.encode(x))  # warm: the column-to-part index is made once per layout and device
+        mode = HostReads()
+        with mode:
+            rows.decode(rows.encode(x))
+        assert not mode.seen, mode.seen
+        ops.append(dict(mode.ops))
+    assert ops[0] == ops[1], ops
