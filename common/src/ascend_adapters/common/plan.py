@@ -317,7 +317,7 @@ def add_parsers(sub) -> None:
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                     help="served dtype (default: config.json's torch_dtype / dtype, else bfloat16)")  # fmt: skip
     ap.add_argument("--kv-cache-dtype", choices=("auto", *FP8_CACHE_DTYPES), default="auto",
-                    help="the cache as served: auto (the served dtype) or 8-bit (GLM-DSA)")  # fmt: skip
+                    help="the cache as served: auto (the served dtype) or 8-bit (GLM-DSA, DeepSeek-V4)")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="B",
                     help=f"KV-cache block size (default {BLOCK_SIZE}, vllm-ascend's)")  # fmt: skip
     ap.add_argument("--max-num-batched-tokens", type=int, default=MAX_NUM_BATCHED_TOKENS, metavar="T",
