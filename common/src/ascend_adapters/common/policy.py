@@ -139,6 +139,12 @@ CACHE_DTYPE_FLAGS = {
 
 # the --kv-cache-dtype values served as the 8-bit cache (``kernels.kv8``): vLLM's "fp8" is e4m3 wherever it has it
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
+FP8_SCALE_BYTES = 4  # the 8-bit cache keeps one float32 scale per part of a row
+
+
+def fp8_row_bytes(parts) -> int:
+    """Bytes of one 8-bit cached row of parts of ``parts`` values: a byte a value, a scale a part."""
+    return sum(parts) + FP8_SCALE_BYTES * len(parts)
 
 
 def cache_dtype_refusal(vllm_config, what: str, *, eight_bit: bool = False) -> str | None:

@@ -31,14 +31,10 @@ import torch
 
 from ascend_adapters.common import dispatch
 from ascend_adapters.common.policy import FP8_CACHE_DTYPES
+from ascend_adapters.common.policy import FP8_SCALE_BYTES as SCALE_BYTES
+from ascend_adapters.common.policy import fp8_row_bytes as row_bytes
 
 E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
-SCALE_BYTES = 4  # one float32 per part
-
-
-def row_bytes(parts: tuple[int, ...]) -> int:
-    """Bytes of one stored row."""
-    return sum(parts) + SCALE_BYTES * len(parts)
 
 
 @functools.lru_cache(maxsize=64)

@@ -49,7 +49,6 @@ SLIDING_PAGE_ROWS = 8
 # the caches stored 8-bit under --kv-cache-dtype fp8 (the compressors' states stay in the model dtype: they are
 # pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
-KV8_SCALE_BYTES = 4
 # ``ascend-adapters plan`` takes --kv-cache-dtype fp8 for this adapter
 EIGHT_BIT_CACHE = True
 
@@ -71,7 +70,9 @@ class CacheGeometry:
     @property
     def stored_width(self) -> int:
         """A row's width in its storage dtype: values, or bytes when 8-bit (``kv8.row_bytes``)."""
-        return self.width + KV8_SCALE_BYTES if self.eight_bit else self.width
+        from ascend_adapters.common.policy import fp8_row_bytes
+
+        return fp8_row_bytes((self.width,)) if self.eight_bit else self.width
 
     def page_bytes(self, dtype_bytes: int) -> int:
         return self.rows_per_block * self.stored_width * (1 if self.eight_bit else dtype_bytes)

@@ -28,6 +28,7 @@ from ascend_adapters.common.plan import (
     pad_vocab,
     pp_partitions,
 )
+from ascend_adapters.common.policy import fp8_row_bytes
 
 
 def config_from_dict(raw: dict):
@@ -68,7 +69,7 @@ def row_bytes(cfg, sparse: bool, req: Request) -> int:
     byte a value and a float32 scale a part, ``kernels.kv8``: ``GlmDsaAttention.cache_rows``)."""
     parts = row_parts(cfg, sparse)
     if req.kv_cache_dtype in FP8_CACHE_DTYPES:
-        return sum(parts) + 4 * len(parts)
+        return fp8_row_bytes(parts)
     return sum(parts) * req.dtype_bytes
 
 
