@@ -415,10 +415,10 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.worker:
         return worker(args.worker)
+    command = f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}"
     if args.only_kv8:  # arithmetic of the cache layout, no timing: the machine's load does not matter
         from ascend_adapters.common.evidence import EvidenceRecord
 
-        command = f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}"
         rec = EvidenceRecord(model="glm_dsa", gate="bench-kv8")
         rec.command(command)
         kv8 = kv8_memory()
@@ -440,7 +440,6 @@ def main(argv=None) -> int:
     from ascend_adapters.common.evidence import EvidenceRecord
 
     quick = "_quick" if args.quick else ""
-    command = f"{Path(__file__).name} {' '.join(argv if argv is not None else sys.argv[1:])}"
     failed = 0
     if not args.only_mtp:
         rec = EvidenceRecord(model="glm_dsa", gate="bench_decode" + ("_served" if args.skip_layer else "") + quick)

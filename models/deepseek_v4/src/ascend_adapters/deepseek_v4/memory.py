@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from ascend_adapters.common.policy import fp8_row_bytes
 from ascend_adapters.deepseek_v4.config import (
     LAYER_CSA,
     LAYER_HCA,
@@ -70,8 +71,6 @@ class CacheGeometry:
     @property
     def stored_width(self) -> int:
         """A row's width in its storage dtype: values, or bytes when 8-bit (``kv8.row_bytes``)."""
-        from ascend_adapters.common.policy import fp8_row_bytes
-
         return fp8_row_bytes((self.width,)) if self.eight_bit else self.width
 
     def page_bytes(self, dtype_bytes: int) -> int:
