@@ -44,36 +44,44 @@ def test_probe_registers_nothing_unless_enabled():
     assert out.stdout.strip().splitlines()[-1] == "False"
 
 
-# Laziness, checked where it matters: a fresh process (as vLLM starts one), sys.modules before and after.
+# Laziness, checked where it matters: a fresh process (as vLLM starts one), sys.modules before and after. One
+# process for every hook: each hook is imported before vLLM (torch and vLLM still absent after each), then each
+# registers in turn and no target or heavy module of any registered so far may be imported.
 _LAZY_PROBE = r"""
 import importlib, json, os, sys
 os.environ["ASCEND_ADAPTERS_TEST_PROBE"] = "1"
-module_name, func = sys.argv[1].split(":")
-hook = importlib.import_module(module_name)
-out = {"hook_imports_torch": "torch" in sys.modules, "hook_imports_vllm": "vllm" in sys.modules}
+hooks, out = {}, {}
+for value in sys.argv[1:]:
+    module_name, func = value.split(":")
+    hooks[value] = (importlib.import_module(module_name), func)
+    out[value] = {"hook_imports_torch": "torch" in sys.modules, "hook_imports_vllm": "vllm" in sys.modules}
 from vllm import ModelRegistry  # noqa: E402,F401  vLLM has imported torch and its config before it loads plugins
-getattr(hook, func)()
-archs = getattr(hook, "ARCHITECTURES", None) or getattr(hook, "PROBE_ARCHITECTURES", {})
-targets = sorted({t.split(":")[0] for t in archs.values()})
-out["targets"] = targets
-out["targets_imported"] = [m for m in targets if m in sys.modules]
-out["heavy_imported"] = sorted(m for m in sys.modules if m.startswith("ascend_adapters.") and
-                               m.rsplit(".", 1)[-1] in ("model", "kernels", "probe_models", "wkv", "backend"))
+targets = set()
+for value, (hook, func) in hooks.items():
+    getattr(hook, func)()
+    archs = getattr(hook, "ARCHITECTURES", None) or getattr(hook, "PROBE_ARCHITECTURES", {})
+    targets |= {t.split(":")[0] for t in archs.values()}
+    out[value]["targets"] = sorted(targets)
+    out[value]["targets_imported"] = sorted(m for m in targets if m in sys.modules)
+    out[value]["heavy_imported"] = sorted(m for m in sys.modules if m.startswith("ascend_adapters.") and
+                                          m.rsplit(".", 1)[-1] in ("model", "kernels", "probe_models", "wkv", "backend"))
 print("LAZY " + json.dumps(out))
 """
 
 
-@pytest.mark.parametrize("hook", HOOKS, ids=lambda e: e.name)
-def test_hook_is_lazy_in_a_fresh_process(hook):
-    """Importing the hook costs nothing (no torch, no vLLM); register() imports no model or kernel module."""
+def test_hooks_are_lazy_in_a_fresh_process():
+    """Importing a hook costs nothing (no torch, no vLLM); register() imports no model or kernel module."""
     import json
 
-    out = subprocess.run([sys.executable, "-c", _LAZY_PROBE, hook.value], capture_output=True, text=True, timeout=600)
+    values = [hook.value for hook in HOOKS]
+    out = subprocess.run([sys.executable, "-c", _LAZY_PROBE, *values], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     res = json.loads(next(line for line in out.stdout.splitlines() if line.startswith("LAZY "))[5:])
-    assert not res["hook_imports_torch"] and not res["hook_imports_vllm"], res
-    assert res["targets_imported"] == [], res
-    assert res["heavy_imported"] == [], res
+    assert sorted(res) == sorted(values), res
+    for value, r in res.items():
+        assert not r["hook_imports_torch"] and not r["hook_imports_vllm"], (value, r)
+        assert r["targets_imported"] == [], (value, r)
+        assert r["heavy_imported"] == [], (value, r)
 
 
 @pytest.mark.parametrize("hook", HOOKS, ids=lambda e: e.name)
