@@ -38,23 +38,25 @@ def reference_fn(model):
     return ref
 
 
-def kv8_reference_fn(model):
+def kv8_reference_fn(model, cache_dtype: str = "fp8"):
     """``reference_fn`` with the model's cache written in 8 bits: transformers' own DynamicCache for the
     config, its sliding-window K=V rows (``update``) and its compressed entries and indexer keys
-    (``update_compressor_states``) put through ``testing.kv8_reference.e4m3_round_trip`` as they are
-    stored; the compressors' pending windows are not (the adapter keeps those in the model dtype)."""
+    (``update_compressor_states``) put through ``testing.kv8_reference.ROUND_TRIPS[cache_dtype]`` as they
+    are stored; the compressors' pending windows are not (the adapter keeps those in the model dtype)."""
     from transformers import DynamicCache
 
-    from ascend_adapters.testing.kv8_reference import e4m3_round_trip
+    from ascend_adapters.testing.kv8_reference import ROUND_TRIPS
+
+    round_trip = ROUND_TRIPS[cache_dtype]
 
     class Kv8WriteCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            q = e4m3_round_trip(key_states)  # K = V: one tensor
+            q = round_trip(key_states)  # K = V: one tensor
             return super().update(q, q, layer_idx, *args, **kwargs)
 
     def quantised_entries(layer):
         store = layer.update_compressor_states
-        return lambda name, compressed: store(name, e4m3_round_trip(compressed))
+        return lambda name, compressed: store(name, round_trip(compressed))
 
     def ref(ids):
         cache = Kv8WriteCache(config=model.config)

@@ -1,14 +1,16 @@
-"""Gate: DeepSeek-V4 with ``--kv-cache-dtype fp8`` (the sliding window, the compressed entries and the indexer
+"""Gate: DeepSeek-V4 with an 8-bit ``--kv-cache-dtype`` (the sliding window, the compressed entries and the indexer
 keys 8-bit: ``memory.EIGHT_BIT_KINDS``, ``common.kernels.kv8``) against transformers' DeepseekV4ForCausalLM
 whose cache stores the same rows through the documented quantisation (``_dsv4_cases.kv8_reference_fn``: the
-OCP E4M3 rounding written out in ``testing.kv8_reference``, no code shared with the adapter).
+OCP E4M3 rounding for ``fp8``, npu_dynamic_quant's int8 formula for ``int8_per_token_head``, written out in
+``testing.kv8_reference``, no code shared with the adapter).
 
-Bound: ``testing.kv8_reference`` (its module doc derives it from E4M3's step).
+Bound: ``testing.kv8_reference`` (its module doc derives it from each format's step).
 
 Served (eager, float32, prefix caching on): the tiny (CSA rate 4 with the indexer, HCA rate 16, window 16),
 four prompts of 5..300 tokens batched under chunked prefill (64 tokens a step), the longest alone, then a
-prompt sharing the longest's first 256 tokens (two 128-token hits: restored from the 8-bit blocks). Then the
-tiny with an MTP layer at TP=2 with 2 MTP drafts a step: the target's logits against the same reference.
+prompt sharing the longest's first 256 tokens (two 128-token hits: restored from the 8-bit blocks), in each
+format. Then the tiny with an MTP layer at TP=2 with 2 MTP drafts a step (fp8): the target's logits against the
+same reference.
 """
 
 from __future__ import annotations
@@ -35,31 +37,34 @@ KV8 = {
 LENGTHS = (5, 40, 150, 300)
 SHARED = 256  # tokens of the longest prompt a later prompt repeats: two whole 128-token hits
 MAX_TOKENS = 10
+KV8_PARITY_GATES = {"fp8": "kv8_parity", "int8_per_token_head": "kv8_int8_parity"}
 
 
-def _judge(rec, label, model_dir, batches, shared: int | None = None) -> bool:
+def _judge(rec, label, model_dir, batches, shared: int | None = None, cache_dtype: str = "fp8") -> bool:
     model = hf_model(model_dir)
-    return judge(rec, label, batches, kv8_reference_fn(model), reference_fn(model), shared)
+    return judge(rec, label, batches, kv8_reference_fn(model, cache_dtype), reference_fn(model), shared)
 
 
 @pytest.mark.vllm
 @pytest.mark.gate
-def test_kv8_batched_chunked_prefix_hit(tmp_path_factory, evidence_root):
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8_per_token_head"])
+def test_kv8_batched_chunked_prefix_hit(tmp_path_factory, evidence_root, cache_dtype):
     assert hit_tokens(tiny_config()) == 128 and SHARED % 128 == 0
     model_dir = make_tiny(tmp_path_factory.mktemp("dsv4_kv8") / "tiny", seed=5)
-    rec = EvidenceRecord(model="deepseek_v4", gate="kv8_parity")
+    rec = EvidenceRecord(model="deepseek_v4", gate=KV8_PARITY_GATES[cache_dtype])
     ps = prompts(LENGTHS, seed=61)
     shared = ps[-1][:SHARED] + prompts((30,), seed=62)[0]
-    kwargs = {**KV8, "enable_prefix_caching": True}
+    kwargs = {**KV8, "kv_cache_dtype": cache_dtype, "enable_prefix_caching": True}
     batches = engine_run(model_dir, [ps, [ps[-1]], [shared]], MAX_TOKENS, kwargs)
     rec.command(
         f"vllm.LLM(make_tiny(OUT, seed=5), {kwargs}) greedy {MAX_TOKENS} tokens, raw logits: prompts of {LENGTHS} "
         f"tokens batched (chunked prefill), the longest alone, then one sharing its first {SHARED} tokens"
     )
     rec.command(
-        "transformers DeepseekV4ForCausalLM.from_pretrained(OUT), its cache written 8-bit, on the served tokens"
+        f"transformers DeepseekV4ForCausalLM.from_pretrained(OUT), its cache written 8-bit ({cache_dtype}), on the "
+        "served tokens"
     )
-    ok = _judge(rec, "tiny", model_dir, batches, SHARED)
+    ok = _judge(rec, "tiny", model_dir, batches, SHARED, cache_dtype)
     rec.write(evidence_root)
     assert ok, rec.checks
 

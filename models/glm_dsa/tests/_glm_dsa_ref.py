@@ -45,31 +45,31 @@ def build(tmp: Path, name: str, **overrides) -> Path:
     return out
 
 
-def kv8_write_cache(config):
+def kv8_write_cache(config, cache_dtype: str = "fp8"):
     """transformers' DynamicCache whose writes (the latent ``k_pass`` / ``k_rot`` rows and the indexer keys)
-    go through ``testing.kv8_reference.e4m3_round_trip``: every later read of the cache sees the 8-bit rows,
-    as the adapter's attention does."""
+    go through ``testing.kv8_reference.ROUND_TRIPS[cache_dtype]``: every later read of the cache sees the
+    8-bit rows, as the adapter's attention does."""
     from transformers import DynamicCache
 
-    from ascend_adapters.testing.kv8_reference import e4m3_round_trip
+    from ascend_adapters.testing.kv8_reference import ROUND_TRIPS
+
+    round_trip = ROUND_TRIPS[cache_dtype]
 
     class Kv8WriteCache(DynamicCache):
         def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-            return super().update(
-                e4m3_round_trip(key_states), e4m3_round_trip(value_states), layer_idx, *args, **kwargs
-            )
+            return super().update(round_trip(key_states), round_trip(value_states), layer_idx, *args, **kwargs)
 
         def update_indexer(self, indexer_key_states, layer_idx):
-            return super().update_indexer(e4m3_round_trip(indexer_key_states), layer_idx)
+            return super().update_indexer(round_trip(indexer_key_states), layer_idx)
 
     return Kv8WriteCache(config=config)
 
 
 class Reference:
     """transformers' own GlmMoeDsaForCausalLM on the same checkpoint (float32, eager); ``kv8``: its cache
-    written in 8 bits (``kv8_write_cache``)."""
+    written in 8 bits (``kv8_write_cache``; ``kv8``: the 8-bit ``--kv-cache-dtype``)."""
 
-    def __init__(self, ckpt: Path, kv8: bool = False, **config_overrides):
+    def __init__(self, ckpt: Path, kv8: str | None = None, **config_overrides):
         from transformers import GlmMoeDsaForCausalLM
 
         self.model = GlmMoeDsaForCausalLM.from_pretrained(
@@ -78,7 +78,7 @@ class Reference:
         self.kv8 = kv8
 
     def __call__(self, ids: list[int]) -> torch.Tensor:
-        cache = kv8_write_cache(self.model.config) if self.kv8 else None
+        cache = kv8_write_cache(self.model.config, self.kv8) if self.kv8 else None
         with torch.no_grad():
             return self.model(torch.tensor([ids]), past_key_values=cache).logits[0]
 

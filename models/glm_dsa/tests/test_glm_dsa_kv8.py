@@ -1,13 +1,15 @@
-"""Gate: GLM-DSA with ``--kv-cache-dtype fp8`` (the 8-bit latent cache, ``common.kernels.kv8``) against
+"""Gate: GLM-DSA with an 8-bit ``--kv-cache-dtype`` (the 8-bit latent cache, ``common.kernels.kv8``) against
 transformers' GlmMoeDsaForCausalLM whose cache writes go through the documented quantisation
-(``_glm_dsa_ref.kv8_write_cache``: the OCP E4M3 rounding written out, no code shared with the adapter).
+(``_glm_dsa_ref.kv8_write_cache``: the OCP E4M3 rounding for ``fp8``, npu_dynamic_quant's int8 formula for
+``int8_per_token_head``, written out in ``testing.kv8_reference``, no code shared with the adapter).
 
-Bound: ``testing.kv8_reference`` (its module doc derives it from E4M3's step).
+Bound: ``testing.kv8_reference`` (its module doc derives it from each format's step).
 
 Served (one engine, eager, float32, prefix caching on): the sparse tiny (index_topk 8) with four prompts of
 3..100 tokens batched under chunked prefill (32 tokens a step), the longest alone, then a prompt sharing
-the longest's first 64 tokens (4 blocks of 16: hit from the 8-bit blocks). Then the MTP-fitted checkpoint
-at TP=2 with 3 MTP drafts a step: the target's logits against the same reference, drafts accepted.
+the longest's first 64 tokens (4 blocks of 16: hit from the 8-bit blocks), in each format. Then the MTP-fitted
+checkpoint at TP=2 with 3 MTP drafts a step (fp8): the target's logits against the same reference, drafts
+accepted.
 """
 
 from __future__ import annotations
@@ -33,10 +35,11 @@ KV8 = {
 LENGTHS = (3, 21, 64, 100)
 SHARED = 64  # tokens of the longest prompt a later prompt repeats: 4 whole blocks
 MAX_TOKENS = 12
+KV8_PARITY_GATES = {"fp8": "kv8_parity", "int8_per_token_head": "kv8_int8_parity"}
 
 
-def _judge(rec, label: str, ckpt, batches, shared: int | None = None) -> bool:
-    return judge(rec, label, batches, Reference(ckpt, kv8=True), Reference(ckpt), shared)
+def _judge(rec, label: str, ckpt, batches, shared: int | None = None, cache_dtype: str = "fp8") -> bool:
+    return judge(rec, label, batches, Reference(ckpt, kv8=cache_dtype), Reference(ckpt), shared)
 
 
 @pytest.fixture(scope="module")
@@ -46,18 +49,22 @@ def sparse_ckpt(tmp_path_factory):
 
 @pytest.mark.vllm
 @pytest.mark.gate
-def test_kv8_sparse_batched_chunked_prefix_hit(sparse_ckpt, evidence_root):
-    rec = EvidenceRecord(model="glm_dsa", gate="kv8_parity")
+@pytest.mark.parametrize("cache_dtype", ["fp8", "int8_per_token_head"])
+def test_kv8_sparse_batched_chunked_prefix_hit(sparse_ckpt, evidence_root, cache_dtype):
+    rec = EvidenceRecord(model="glm_dsa", gate=KV8_PARITY_GATES[cache_dtype])
     prompts = random_prompts(LENGTHS, seed=2)
     shared = prompts[-1][:SHARED] + random_prompts((30,), seed=9)[0]
-    kwargs = {**KV8, "enable_prefix_caching": True}
+    kwargs = {**KV8, "kv_cache_dtype": cache_dtype, "enable_prefix_caching": True}
     batches = engine_run(sparse_ckpt, [prompts, [prompts[-1]], [shared]], MAX_TOKENS, kwargs)
     rec.command(
         f"vllm.LLM({sparse_ckpt.name}, {kwargs}) greedy {MAX_TOKENS} tokens, raw logits: prompts of {LENGTHS} "
         f"tokens batched (chunked prefill), the longest alone, then one sharing its first {SHARED} tokens"
     )
-    rec.command("transformers GlmMoeDsaForCausalLM.from_pretrained(OUT) with kv8_write_cache, on the served tokens")
-    ok = _judge(rec, "sparse", sparse_ckpt, batches, SHARED)
+    rec.command(
+        f"transformers GlmMoeDsaForCausalLM.from_pretrained(OUT) with kv8_write_cache({cache_dtype}), on the served "
+        "tokens"
+    )
+    ok = _judge(rec, "sparse", sparse_ckpt, batches, SHARED, cache_dtype)
     rec.write(evidence_root)
     assert ok, rec.checks
 

@@ -38,7 +38,7 @@ import json
 import sys
 from pathlib import Path
 
-from ascend_adapters.common.policy import FP8_CACHE_DTYPES
+from ascend_adapters.common.policy import EIGHT_BIT_CACHE_DTYPES
 
 GIB = 1 << 30
 
@@ -73,7 +73,9 @@ class Request:
     dtype: str  # served dtype (the checkpoint's torch_dtype unless --dtype)
     block_size: int = BLOCK_SIZE
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    kv_cache_dtype: str = "auto"  # "auto": the served dtype; fp8 / fp8_e4m3: the 8-bit cache (kernels.kv8)
+    kv_cache_dtype: str = (
+        "auto"  # "auto": the served dtype; fp8 / fp8_e4m3 / int8_per_token_head: the 8-bit cache (kernels.kv8)
+    )
 
     @property
     def dtype_bytes(self) -> int:
@@ -316,7 +318,7 @@ def add_parsers(sub) -> None:
     ap.add_argument("--max-model-len", type=int, required=True, metavar="L", help="context length per request")
     ap.add_argument("--dtype", choices=sorted(DTYPE_BYTES), default=None,
                     help="served dtype (default: config.json's torch_dtype / dtype, else bfloat16)")  # fmt: skip
-    ap.add_argument("--kv-cache-dtype", choices=("auto", *FP8_CACHE_DTYPES), default="auto",
+    ap.add_argument("--kv-cache-dtype", choices=("auto", *EIGHT_BIT_CACHE_DTYPES), default="auto",
                     help="the cache as served: auto (the served dtype) or 8-bit (GLM-DSA, DeepSeek-V4)")  # fmt: skip
     ap.add_argument("--block-size", type=int, default=BLOCK_SIZE, metavar="B",
                     help=f"KV-cache block size (default {BLOCK_SIZE}, vllm-ascend's)")  # fmt: skip

@@ -137,20 +137,24 @@ CACHE_DTYPE_FLAGS = {
 }
 
 
-# the --kv-cache-dtype values served as the 8-bit cache (``kernels.kv8``): vLLM's "fp8" is e4m3 wherever it has it
+# the --kv-cache-dtype values served as the 8-bit cache (``kernels.kv8``): float8 e4m3 (vLLM's "fp8" is e4m3
+# wherever it has it), or int8 with a scale per part of a row: vLLM's int8_per_token_head (a part of a latent or
+# shared K=V row is the one head's), the form torch_npu quantises to (npu_dynamic_quant)
 FP8_CACHE_DTYPES = ("fp8", "fp8_e4m3")
-FP8_SCALE_BYTES = 4  # the 8-bit cache keeps one float32 scale per part of a row
+INT8_CACHE_DTYPES = ("int8_per_token_head",)
+EIGHT_BIT_CACHE_DTYPES = FP8_CACHE_DTYPES + INT8_CACHE_DTYPES
+EIGHT_BIT_SCALE_BYTES = 4  # the 8-bit cache keeps one float32 scale per part of a row
 
 
-def fp8_row_bytes(parts) -> int:
+def eight_bit_row_bytes(parts) -> int:
     """Bytes of one 8-bit cached row of parts of ``parts`` values: a byte a value, a scale a part."""
-    return sum(parts) + FP8_SCALE_BYTES * len(parts)
+    return sum(parts) + EIGHT_BIT_SCALE_BYTES * len(parts)
 
 
 def cache_dtype_refusal(vllm_config, what: str, *, eight_bit: bool = False) -> str | None:
     """One line refusing a cache-dtype flag the adapter does not honour (None: every flag is 'auto' or names
     the model dtype, which is what the adapter stores ``what`` in, or, with ``eight_bit``, ``--kv-cache-dtype``
-    names the 8-bit format the adapter also stores it in: ``FP8_CACHE_DTYPES``)."""
+    names an 8-bit format the adapter also stores it in: ``EIGHT_BIT_CACHE_DTYPES``)."""
     import torch
 
     dtype = vllm_config.model_config.dtype
@@ -163,14 +167,15 @@ def cache_dtype_refusal(vllm_config, what: str, *, eight_bit: bool = False) -> s
             return (
                 f"--kv-cache-dtype {vllm_config.cache_config.cache_dtype} is not served on an Ascend NPU: {what} would "
                 "be stored as float8 e4m3, for which torch_npu documents no Atlas A2/A3 kernel (npu_quantize "
-                "writes qint8, quint8, int32 or quint4x2); serve with --kv-cache-dtype auto"
+                f"writes qint8, quint8, int32 or quint4x2); serve with --kv-cache-dtype {INT8_CACHE_DTYPES[0]} "
+                "(int8, npu_dynamic_quant) or auto"
             )
     served = ("auto", model_dtype)
     for attr, flag in CACHE_DTYPE_FLAGS.items():
         asked = str(getattr(vllm_config.cache_config, attr, "auto"))
-        served_here = served + (FP8_CACHE_DTYPES if eight_bit and attr == "cache_dtype" else ())
+        served_here = served + (EIGHT_BIT_CACHE_DTYPES if eight_bit and attr == "cache_dtype" else ())
         if asked not in served_here:
-            also = f" or 8-bit ({flag} {' / '.join(FP8_CACHE_DTYPES)})" if len(served_here) > len(served) else ""
+            also = f" or 8-bit ({flag} {' / '.join(EIGHT_BIT_CACHE_DTYPES)})" if len(served_here) > len(served) else ""
             return (
                 f"{flag} {asked} is not served: {what} is stored in the model dtype ({model_dtype}){also}; "
                 f"serve with {flag} auto"

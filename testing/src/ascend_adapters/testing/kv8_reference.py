@@ -1,8 +1,10 @@
 """The 8-bit KV cache's reference quantisation and the served gates' judgement (GLM-DSA, DeepSeek-V4).
 
-``e4m3_round_trip`` is the documented quantisation written from the OCP 8-bit floating point spec, not
-through torch's float8 cast nor the adapters' ``common.kernels.kv8``: the references (transformers'
-models) pass what they cache through it as they store it.
+``e4m3_round_trip`` (``--kv-cache-dtype fp8``) is the documented quantisation written from the OCP 8-bit
+floating point spec, not through torch's float8 cast nor the adapters' ``common.kernels.kv8``;
+``int8_round_trip`` (``int8_per_token_head``) is written from torch_npu's ``npu_dynamic_quant`` page. The
+references (transformers' models) pass what they cache through one of them as they store it
+(``ROUND_TRIPS``).
 
 Bound. Both sides store the same 8-bit value whenever they quantise the same float value: its code is
 fixed by ``x / scale`` alone (``common/tests/test_kv8`` holds the adapters' codes to the OCP table). The
@@ -17,6 +19,12 @@ three orders of magnitude over the linearised flips, since one value of a heavil
 more than the average) with the greedy tokens equal, and ``D`` must exceed ten times the served logits'
 distance from the 8-bit reference and ten times ``FLOAT_NOISE``: the served cache is read back as 8-bit
 rows, not as the float ones.
+
+The int8 form: midpoints are half a step from a code, ``scale = a / 127``, so values near the part's largest
+``a`` flip where ``x / scale`` (up to 127) is within ``127 * 1e-6`` of a midpoint: about ``3e-4`` of them.
+A float32 row is rounded to bfloat16 first (npu_dynamic_quant's input), whose midpoints catch about
+``1e-6 / 2**-9 ~ 5e-4`` of the values, each then one bfloat16 step (``2**-8 |x|``, at most a step of the code)
+apart. Linearised, ``2 * 8e-4 D ~ D / 600``: ``D / 20`` holds with over an order of magnitude to spare.
 """
 
 from __future__ import annotations
@@ -45,6 +53,20 @@ def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:
     q = (torch.round(v / step) * step).clamp(-448.0, 448.0)  # torch.round: half to even
     return (q * scale).to(x.dtype)
 
+
+def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
+    """Each row (last dimension) of ``x`` quantised to int8 and read back (torch_npu-npu_dynamic_quant.md
+    功能说明: ``scale = rowMax(abs(x)) / 127``, ``y = round(x / scale)``, ``y`` int8; its input float16 or
+    bfloat16 (参数说明 x), so a float32 row is first rounded to bfloat16; a row of zeros reads back zeros;
+    rounding half to even), in ``x``'s dtype."""
+    y = x.to(torch.bfloat16).double() if x.dtype == torch.float32 else x.double()
+    scale = (y.abs().amax(dim=-1, keepdim=True) / 127.0).float().double()
+    codes = torch.round(y / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(-128, 127)
+    return (codes * scale).to(x.dtype)
+
+
+# the reference quantisation of each 8-bit --kv-cache-dtype (policy.EIGHT_BIT_CACHE_DTYPES)
+ROUND_TRIPS = {"fp8": e4m3_round_trip, "fp8_e4m3": e4m3_round_trip, "int8_per_token_head": int8_round_trip}
 
 Reference = Callable[[list[int]], torch.Tensor]  # token ids -> logits [len(ids), V]
 

@@ -10,7 +10,8 @@ package registers:
   ``experts.grouped_experts`` routes, sorts and groups on the device for every MoE kernel here (the
   float op and ModelSlim's W8A8 experts), one grouped GEMM per projection;
 * ``common.rope_interleaved`` (``rope``): interleaved ("GPT-J") RoPE on the trailing channels;
-* ``common.kv8_quantize`` / ``common.kv8_dequantize`` (``kv8``): the 8-bit KV cache's rows (float8 e4m3
+* ``common.kv8_quantize`` / ``common.kv8_dequantize``, ``common.kv8_int8_quantize`` (NPU twin:
+  ``npu_dynamic_quant``) / ``common.kv8_int8_dequantize`` (``kv8``): the 8-bit KV cache's rows (float8 e4m3 or int8
   codes, a float32 scale per part), and ``kv8.CacheRows``, a layer's choice between them and the model dtype.
 """
 

@@ -39,7 +39,7 @@ from vllm.model_executor.model_loader.weight_utils import sharded_weight_loader
 from ascend_adapters.common import compat, dispatch
 from ascend_adapters.common.attention_backend import register_layer
 from ascend_adapters.common.kernels.kv8 import CacheRows
-from ascend_adapters.common.policy import FP8_CACHE_DTYPES
+from ascend_adapters.common.policy import EIGHT_BIT_CACHE_DTYPES
 from ascend_adapters.deepseek_v4.backend import DeepseekV4CacheBackend
 from ascend_adapters.deepseek_v4.compressor import DeepseekV4Compressor
 from ascend_adapters.deepseek_v4.config import LAYER_CSA, LAYER_HCA, LAYER_SLIDING, compressed_enabled
@@ -85,12 +85,12 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
     """One paged cache of an attention layer: vLLM allocates it from its spec, binds it as
     ``[blocks, rows per block, width]`` and builds its group's metadata (``backend.py``) every step."""
 
-    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, layer_name: str):
+    def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, cache_dtype: str, layer_name: str):
         super().__init__()
         self.geometry, self.dtype, self.layer_name = geometry, dtype, layer_name
         self.rows_per_block = geometry.rows_per_block
-        # each row stored in the model dtype, or 8-bit with its scale (memory.EIGHT_BIT_KINDS)
-        self.rows = CacheRows((geometry.width,), dtype, FP8_CACHE_DTYPES[0] if geometry.eight_bit else "auto")
+        # each row stored in the model dtype, or 8-bit with its scale (--kv-cache-dtype, memory.EIGHT_BIT_KINDS)
+        self.rows = CacheRows((geometry.width,), dtype, cache_dtype if geometry.eight_bit else "auto")
         self.kv_cache = torch.tensor([])
         register_layer(layer_name, self)
 
@@ -217,11 +217,12 @@ class DeepseekV4Attention(nn.Module):
         self.compress_rotary_emb = deepseek_v4_rope(config, "compress", self.max_model_len)
         # the caches are children named as their layers (``<prefix>.window_cache``, ...), in the model's dtype
         # (every value cached is a model-dtype tensor of the reference's arithmetic) or, under
-        # --kv-cache-dtype fp8, the window, entries and indexer keys 8-bit
-        eight_bit = vllm_config.cache_config.cache_dtype in FP8_CACHE_DTYPES
+        # an 8-bit --kv-cache-dtype, the window, entries and indexer keys 8-bit
+        cache_dtype = vllm_config.cache_config.cache_dtype
+        eight_bit = cache_dtype in EIGHT_BIT_CACHE_DTYPES
         self.caches: dict[str, DeepseekV4Cache] = {}
         for kind, geometry in layer_caches(config, self.layer_type, eight_bit).items():
-            cache = DeepseekV4Cache(geometry, torch.get_default_dtype(), f"{prefix}.{kind}_cache")
+            cache = DeepseekV4Cache(geometry, torch.get_default_dtype(), cache_dtype, f"{prefix}.{kind}_cache")
             setattr(self, f"{kind}_cache", cache)
             self.caches[kind] = cache
         register_layer(prefix, self)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from ascend_adapters.common.policy import fp8_row_bytes
+from ascend_adapters.common.policy import eight_bit_row_bytes
 from ascend_adapters.deepseek_v4.config import (
     LAYER_CSA,
     LAYER_HCA,
@@ -50,7 +50,7 @@ SLIDING_PAGE_ROWS = 8
 # the caches stored 8-bit under --kv-cache-dtype fp8 (the compressors' states stay in the model dtype: they are
 # pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
-# ``ascend-adapters plan`` takes --kv-cache-dtype fp8 for this adapter
+# ``ascend-adapters plan`` takes an 8-bit --kv-cache-dtype (fp8, int8_per_token_head) for this adapter
 EIGHT_BIT_CACHE = True
 
 
@@ -71,7 +71,7 @@ class CacheGeometry:
     @property
     def stored_width(self) -> int:
         """A row's width in its storage dtype: values, or bytes when 8-bit (``kv8.row_bytes``)."""
-        return fp8_row_bytes((self.width,)) if self.eight_bit else self.width
+        return eight_bit_row_bytes((self.width,)) if self.eight_bit else self.width
 
     def page_bytes(self, dtype_bytes: int) -> int:
         return self.rows_per_block * self.stored_width * (1 if self.eight_bit else dtype_bytes)
@@ -358,7 +358,7 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
     for r in flash_table(device_gib, tp, ep):
         lines.append(
             f"  {_length(r['tokens'])} tokens: {_size(r['request_cache_bytes'])} per request, "
-            f"{r['concurrency']} request(s) per device; --kv-cache-dtype fp8: "
+            f"{r['concurrency']} request(s) per device; --kv-cache-dtype fp8 or int8_per_token_head: "
             f"{_size(r['request_cache_bytes_8bit'])}, {r['concurrency_8bit']}"
         )
     lines.append(f"  a {short}-token request holds {_size(request_cache_bytes(cfg, short))}, whatever max_model_len")
@@ -431,7 +431,7 @@ def memory_plan(raw: dict, req):
     """``ascend-adapters plan``: weights and the caches one request of ``req.max_model_len`` reserves, per
     stage (``common.plan.Request`` in, ``common.plan.ModelMemory`` out)."""
     from ascend_adapters.common.plan import (
-        FP8_CACHE_DTYPES,
+        EIGHT_BIT_CACHE_DTYPES,
         ModelMemory,
         PlanError,
         StageMemory,
@@ -453,7 +453,7 @@ def memory_plan(raw: dict, req):
             f"--max-model-len {req.max_model_len} exceeds max_position_embeddings {config.max_position_embeddings}"
         )
     served = served_layer_types(config)
-    eight_bit = req.kv_cache_dtype in FP8_CACHE_DTYPES
+    eight_bit = req.kv_cache_dtype in EIGHT_BIT_CACHE_DTYPES
     parts = pp_partitions(layers, req.pp)
     stages = []
     for s, (start, end) in enumerate(parts):

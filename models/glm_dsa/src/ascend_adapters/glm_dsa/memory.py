@@ -2,7 +2,7 @@
 
 * The KV cache: each attention layer declares one latent row per token to vLLM (``model.py``,
   ``GlmDsaAttention.get_kv_cache_spec``: an ``MLAAttentionSpec`` of one KV head, never sharded by TP, in
-  the model dtype, or 8-bit under ``--kv-cache-dtype fp8``: a byte a value and a float32 scale a part):
+  the model dtype, or 8-bit under ``--kv-cache-dtype fp8`` / ``int8_per_token_head``: a byte a value and a float32 scale a part):
   ``kv_lora_rank + qk_rope_head_dim`` values, plus the indexer key (``index_head_dim``) on the sparse
   path, which ``config.choose_attention_mode`` takes when ``max_model_len`` exceeds ``index_topk``. A block holds ``block_size`` rows; vLLM reserves
   ``ceil(max_model_len / block_size)`` blocks per layer and request (``max_memory_usage_bytes`` of a
@@ -18,7 +18,7 @@
 from __future__ import annotations
 
 from ascend_adapters.common.plan import (
-    FP8_CACHE_DTYPES,
+    EIGHT_BIT_CACHE_DTYPES,
     ModelMemory,
     PlanError,
     Request,
@@ -28,7 +28,7 @@ from ascend_adapters.common.plan import (
     pad_vocab,
     pp_partitions,
 )
-from ascend_adapters.common.policy import fp8_row_bytes
+from ascend_adapters.common.policy import INT8_CACHE_DTYPES, eight_bit_row_bytes
 
 
 def config_from_dict(raw: dict):
@@ -68,8 +68,8 @@ def row_bytes(cfg, sparse: bool, req: Request) -> int:
     """Bytes of one token's cache row as ``req`` serves it: the row in the served dtype, or 8-bit (one e4m3
     byte a value and a float32 scale a part, ``kernels.kv8``: ``GlmDsaAttention.cache_rows``)."""
     parts = row_parts(cfg, sparse)
-    if req.kv_cache_dtype in FP8_CACHE_DTYPES:
-        return fp8_row_bytes(parts)
+    if req.kv_cache_dtype in EIGHT_BIT_CACHE_DTYPES:
+        return eight_bit_row_bytes(parts)
     return sum(parts) * req.dtype_bytes
 
 
@@ -155,7 +155,8 @@ def memory_plan(raw: dict, req: Request) -> ModelMemory:
         else f"dense path (max_model_len <= index_topk {cfg.index_topk}): latent {cfg.kv_lora_rank} + rope "
         f"{cfg.qk_rope_head_dim}"
     )
-    stored = req.dtype if req.kv_cache_dtype == "auto" else "8-bit (e4m3, a float32 scale a part)"
+    code = "int8" if req.kv_cache_dtype in INT8_CACHE_DTYPES else "e4m3"
+    stored = req.dtype if req.kv_cache_dtype == "auto" else f"8-bit ({code}, a float32 scale a part)"
     notes = [
         f"KV cache: one {width}-value {stored} row per token and layer ({path}), {page} bytes a block, "
         "the same on every TP rank (one latent head, not split)",
