@@ -86,7 +86,7 @@ def test_cache_rows_declares_what_it_stores(model_dtype):
     assert (plain.dtype, plain.width) == (model_dtype, sum(PARTS))
     x = _rows((2,)).to(model_dtype)
     assert plain.encode(x) is x and plain.decode(x) is x
-    for name in kv8.FP8_CACHE_DTYPES:
+    for name in kv8.EIGHT_BIT_CACHE_DTYPES:
         rows = kv8.CacheRows(PARTS, model_dtype, name)
         assert (rows.dtype, rows.width) == (torch.uint8, kv8.row_bytes(PARTS))
         stored = rows.encode(x)
@@ -116,6 +116,61 @@ def test_bytes_never_written_read_back_finite():
     read = kv8.kv8_dequantize(stored, parts)
     assert torch.isfinite(read).all()
     assert not torch.isfinite(stored[:, :4].view(torch.float8_e4m3fn).float()).all()  # the codes held NaNs
+
+
+# --- the int8 form (--kv-cache-dtype int8_per_token_head): torch_npu's npu_dynamic_quant per part ------------
+
+
+def test_int8_row_is_npu_dynamic_quants_codes_and_scales():
+    """Per part (torch_npu-npu_dynamic_quant.md 功能说明): ``scale = rowMax(abs(x)) / 127``, codes
+    ``round(x / scale)`` in int8, from the part rounded to bfloat16 when it is float32 (its input dtypes)."""
+    x = _rows((7,))
+    stored = kv8.kv8_int8_quantize(x, PARTS)
+    assert stored.dtype == torch.uint8 and stored.shape == (7, kv8.row_bytes(PARTS))
+    scales = stored[:, sum(PARTS) :].contiguous().view(torch.float32)
+    xb = x.to(torch.bfloat16).double()
+    for i, p in enumerate(xb.split(PARTS, -1)):
+        assert torch.equal(scales[:, i], (p.abs().amax(-1) / 127).float())
+    codes = stored[:, : sum(PARTS)].view(torch.int8).double()
+    want = torch.round(xb / scales.double().repeat_interleave(torch.tensor(PARTS), dim=-1))
+    assert torch.equal(codes, want)
+    assert codes.abs().amax(-1).eq(127).all()  # each part's largest value maps onto 127
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_read_back_within_half_a_step(dtype):
+    """|x - read| <= a / 254 per element (a: its part's largest magnitude), plus, for a float32 part, its
+    rounding to bfloat16 (2**-8 |x|, and 2**-8 of a in the scale), plus float32's own roundings of the scale,
+    the quotient (which may land a value just short of a half-integer on it) and the product (2**-22 |x|)."""
+    x = _rows((50,)).to(dtype)
+    read = kv8.kv8_int8_dequantize(kv8.kv8_int8_quantize(x, PARTS), PARTS)
+    assert read.dtype == torch.float32
+    cols = torch.repeat_interleave(torch.arange(len(PARTS)), torch.tensor(PARTS))
+    a = torch.stack([p.abs().amax(-1) for p in x.double().split(PARTS, -1)], -1)[:, cols]
+    bf16 = dtype == torch.float32
+    bound = a / 254 * (1 + (2**-8 if bf16 else 0)) + (2.0**-8 if bf16 else 2.0**-22) * x.double().abs()
+    assert ((read.double() - x.double()).abs() <= bound).all()
+    zeros = torch.zeros(3, sum(PARTS))
+    assert torch.equal(kv8.kv8_int8_dequantize(kv8.kv8_int8_quantize(zeros, PARTS), PARTS), zeros)
+
+
+def test_the_gates_int8_reference_quantises_as_the_adapters_do():
+    """``testing.kv8_reference.int8_round_trip`` (written from npu_dynamic_quant's page) reads back what the
+    adapters' int8 ops store, row by row."""
+    from ascend_adapters.testing.kv8_reference import int8_round_trip
+
+    x = torch.randn(2000, 64, generator=torch.Generator().manual_seed(5))
+    x *= torch.rand(2000, 1, generator=torch.Generator().manual_seed(6)) * 5
+    x[0] = 0.0
+    for dtype in (torch.float32, torch.bfloat16):
+        read = kv8.kv8_int8_dequantize(kv8.kv8_int8_quantize(x.to(dtype), (64,)), (64,))
+        assert torch.equal(read.to(dtype), int8_round_trip(x.to(dtype)))
+
+
+def test_int8_bytes_never_written_read_back_finite():
+    parts = (4, 2)
+    stored = torch.arange(256, dtype=torch.uint8).view(-1, 1).expand(256, kv8.row_bytes(parts)).contiguous()
+    assert torch.isfinite(kv8.kv8_int8_dequantize(stored, parts)).all()
 
 
 def test_a_write_and_a_read_are_graph_shaped():

@@ -382,6 +382,21 @@ def _case_glm_cache_rows(dtype, g):
         _npu("glm_dsa.cache_rows")(cache, slots - 1)
 
 
+def _case_kv8_int8(dtype, g):
+    from ascend_adapters.common.kernels import kv8  # noqa: F401  (registers common.kv8_int8_quantize)
+
+    parts = (32, 16, 24)  # GLM-DSA's kv_c | k_pe | indexer key, at tiny widths
+    x = torch.randn(3, 5, sum(parts), generator=g)
+    x[..., 32:48] *= 40.0
+    # npu_dynamic_quant per part (the emulator refuses any call its page does not allow); the codes and scales
+    # are the documented formula's, as the portable kernel's, bit for bit; a float32 row is rounded to
+    # bfloat16 first by both (the op's input dtypes)
+    for rows in (x.to(dtype), x):
+        assert torch.equal(
+            _npu("common.kv8_int8_quantize")(rows, parts), _port("common.kv8_int8_quantize")(rows, parts)
+        )
+
+
 TWINS = {
     "modelslim.pack_weight": _case_pack_weight,
     "modelslim.pack_input_quant": _case_pack_input_quant,
@@ -393,6 +408,7 @@ TWINS = {
     "common.swiglu": _case_swiglu,
     "common.swiglu_experts": _case_swiglu_experts,
     "glm_dsa.cache_rows": _case_glm_cache_rows,
+    "common.kv8_int8_quantize": _case_kv8_int8,
 }
 
 

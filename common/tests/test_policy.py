@@ -249,6 +249,7 @@ def _config_asking(**cache):
     "flag, attr, value",
     [
         ("--kv-cache-dtype", "cache_dtype", "fp8"),
+        ("--kv-cache-dtype", "cache_dtype", "int8_per_token_head"),
         ("--kv-cache-dtype", "cache_dtype", "fp8_e5m2"),
         ("--kv-cache-dtype", "cache_dtype", "fp8_ds_mla"),
         ("--mamba-ssm-cache-dtype", "mamba_ssm_cache_dtype", "float32"),
@@ -256,22 +257,22 @@ def _config_asking(**cache):
 )
 def test_every_adapter_refuses_a_cache_dtype_it_does_not_store(flag, attr, value):
     """A cache-dtype flag is honoured or refused at start-up in one line naming the flag and what is served;
-    'auto' and the model dtype itself pass, and GLM-DSA's and DeepSeek-V4's --kv-cache-dtype fp8 (e4m3:
-    kernels.kv8)."""
+    'auto' and the model dtype itself pass, and GLM-DSA's and DeepSeek-V4's 8-bit --kv-cache-dtype fp8 (e4m3)
+    and int8_per_token_head (int8) (kernels.kv8)."""
     from ascend_adapters.common.policy import cache_dtype_refusal
     from ascend_adapters.deepseek_v4.policy import check_startup as deepseek_v4_check
     from ascend_adapters.glm_dsa.policy import check_startup as glm_dsa_check
     from ascend_adapters.rwkv7.policy import unsupported_reasons
 
     config = _config_asking(**{attr: value})
-    if value == "fp8":  # GLM-DSA's and DeepSeek-V4's 8-bit caches
+    if value in ("fp8", "int8_per_token_head"):  # GLM-DSA's and DeepSeek-V4's 8-bit caches
         assert cache_dtype_refusal(config, "x", eight_bit=True) is None
     else:
         for check in (glm_dsa_check, deepseek_v4_check):
             with pytest.raises(
                 Exception,
                 match=rf"{flag} {value} is not served: .* model dtype \(bfloat16\) or 8-bit "
-                rf"\(--kv-cache-dtype fp8 / fp8_e4m3\); serve with {flag} auto"
+                rf"\(--kv-cache-dtype fp8 / fp8_e4m3 / int8_per_token_head\); serve with {flag} auto"
                 if attr == "cache_dtype"
                 else rf"{flag} {value} is not served: .* model dtype \(bfloat16\); serve with {flag} auto",
             ):
@@ -305,8 +306,8 @@ def test_policy_refusal_is_one_line_before_it_propagates(capsys):
 
 
 def test_eight_bit_cache_refused_on_an_npu(monkeypatch):
-    """On an Ascend NPU the 8-bit cache is refused at start-up, in one line: its float8 e4m3 rows have no
-    documented torch_npu kernel on Atlas A2/A3, so it would fail at the first cache write instead."""
+    """On an Ascend NPU the float8 e4m3 cache is refused at start-up, in one line naming the int8 form: e4m3
+    rows have no documented torch_npu kernel on Atlas A2/A3, so it would fail at the first cache write."""
     from ascend_adapters.common import platform
     from ascend_adapters.common.policy import cache_dtype_refusal
 
@@ -315,4 +316,7 @@ def test_eight_bit_cache_refused_on_an_npu(monkeypatch):
     monkeypatch.setattr(platform, "kernel_path", lambda: platform.KernelPath.NPU)
     line = cache_dtype_refusal(config, "the latent cache", eight_bit=True)
     assert line and "\n" not in line and line.startswith("--kv-cache-dtype fp8 is not served on an Ascend NPU"), line
+    assert "--kv-cache-dtype int8_per_token_head" in line, line  # the 8-bit form an NPU serves is named
     assert cache_dtype_refusal(_config_asking(), "x", eight_bit=True) is None
+    # the int8 form is what npu_dynamic_quant writes: served on an NPU as everywhere
+    assert cache_dtype_refusal(_config_asking(cache_dtype="int8_per_token_head"), "x", eight_bit=True) is None

@@ -23,8 +23,9 @@ rows, not as the float ones.
 The int8 form: midpoints are half a step from a code, ``scale = a / 127``, so values near the part's largest
 ``a`` flip where ``x / scale`` (up to 127) is within ``127 * 1e-6`` of a midpoint: about ``3e-4`` of them.
 A float32 row is rounded to bfloat16 first (npu_dynamic_quant's input), whose midpoints catch about
-``1e-6 / 2**-9 ~ 5e-4`` of the values, each then one bfloat16 step (``2**-8 |x|``, at most a step of the code)
-apart. Linearised, ``2 * 8e-4 D ~ D / 600``: ``D / 20`` holds with over an order of magnitude to spare.
+``2 * 1e-6 / 2**-7 ~ 3e-4`` of the values, each then one bfloat16 step (``2**-7 |x|``, about a step of the
+code at the part's largest values) apart. Linearised, ``2 * 6e-4 D ~ D / 800``: ``D / 20`` holds with over an
+order of magnitude to spare.
 """
 
 from __future__ import annotations
@@ -57,10 +58,11 @@ def e4m3_round_trip(x: torch.Tensor) -> torch.Tensor:
 def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
     """Each row (last dimension) of ``x`` quantised to int8 and read back (torch_npu-npu_dynamic_quant.md
     功能说明: ``scale = rowMax(abs(x)) / 127``, ``y = round(x / scale)``, ``y`` int8; its input float16 or
-    bfloat16 (参数说明 x), so a float32 row is first rounded to bfloat16; a row of zeros reads back zeros;
-    rounding half to even), in ``x``'s dtype."""
-    y = x.to(torch.bfloat16).double() if x.dtype == torch.float32 else x.double()
-    scale = (y.abs().amax(dim=-1, keepdim=True) / 127.0).float().double()
+    bfloat16 (参数说明 x), so a float32 row is first rounded to bfloat16; the scale is returned float32 (返回值
+    说明) and ``x / scale`` taken in float32, where a bfloat16 value over it is often a half-integer exactly;
+    rounding half to even; a row of zeros reads back zeros), read back in float32, in ``x``'s dtype."""
+    y = x.to(torch.bfloat16).float() if x.dtype == torch.float32 else x.float()
+    scale = (y.double().abs().amax(dim=-1, keepdim=True) / 127.0).float()
     codes = torch.round(y / torch.where(scale > 0, scale, torch.ones_like(scale))).clamp(-128, 127)
     return (codes * scale).to(x.dtype)
 

@@ -16,7 +16,9 @@ Two code formats, one byte a value either way:
 * ``int8_per_token_head``: int8, torch_npu's ``npu_dynamic_quant`` (torch_npu-npu_dynamic_quant.md 功能说明:
   ``scale = rowMax(abs(x)) / 127``, ``y = round(x / scale)``; a part of zeros: scale 0, codes 0). That op takes
   float16/bfloat16 only (参数说明 x), so a float32 part is rounded to bfloat16 first, in both kernels. Error of a
-  read: half a step, ``|x - read| <= a / 254``, plus the bfloat16 rounding of a float32 part, ``2**-9 |x|``.
+  read: half a step, ``|x - read| <= a / 254``; a float32 part adds its rounding to bfloat16 (``2**-8 |x|``,
+  and ``2**-8`` of ``a`` in the scale). ``x / scale`` is evaluated in float32 (the scale's dtype), where a
+  bfloat16 value over it often lands on a half-integer exactly: ties go to even.
 
 A row reads back as ``code * scale_i`` in float32. One scale per part, as vLLM's MLA fp8 layouts keep one
 beside the row (``fp8_ds_mla``: one per 128 values of ``kv_c``): a part's magnitude (the rotated ``k_pe``, an
