@@ -17,15 +17,12 @@ runs) must agree within 8u = 2**-5 of the logit scale of the sequence.
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 torch = pytest.importorskip("torch")
 pytest.importorskip("vllm")
 transformers = pytest.importorskip("transformers")
 
-from ascend_adapters.common.platform import EMULATOR_ENV  # noqa: E402
 from ascend_adapters.testing import npu_emulator  # noqa: E402
 from ascend_adapters.testing.parity import vllm_logits  # noqa: E402
 
@@ -36,20 +33,10 @@ PROMPTS = [[5, 17, 99, 3, 250, 41, 7], [300, 2, 2, 18, 77, 120, 64, 9, 11, 400, 
 
 
 def _served(model_dir, tmp_path, emulated: bool):
-    env = {}
-    trace = tmp_path / ("trace-emu" if emulated else "trace-portable")
-    trace.mkdir()
-    if emulated:
-        shim = npu_emulator.write_shim(tmp_path / "shim")
-        env = {
-            "PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
-            EMULATOR_ENV: "1",
-            npu_emulator.TRACE_ENV: str(trace),
-        }
+    env, called = npu_emulator.served_env(tmp_path / "emulated") if emulated else ({}, list)
     kwargs = {"quantization": "modelslim", "dtype": "bfloat16"}
     (run,) = vllm_logits(model_dir, [PROMPTS], max_tokens=2, llm_kwargs=kwargs, env=env)
-    called = sorted({p.name.split("-", 1)[1] for p in trace.iterdir()})
-    return run, called
+    return run, called()
 
 
 def _check(model_dir, tmp_path, expected_ops):

@@ -93,3 +93,30 @@ def test_kv8_mtp_tp2(tmp_path_factory, evidence_root):
     ok &= rec.check("the MTP layer drafted (its own 8-bit window cache)", drafts > 0, drafts)
     rec.write(evidence_root)
     assert ok, rec.checks
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_int8_served_through_the_npu_emulator(tmp_path, evidence_root):
+    """The int8 cache on the NPU kernel path, served: the torch_npu CONTRACT EMULATOR installed as ``torch_npu``
+    in the engine's processes and ``ASCEND_ADAPTERS_NPU_EMULATOR=1`` (``testing.npu_emulator``), so every cache
+    write is an ``npu_dynamic_quant`` call its page allows, and the model's other NPU twins (the experts) run
+    too. A contract check on CPU, NOT AN NPU RUN. Judged as the portable int8 gate: against the int8 reference,
+    in float32 (the twins' float32 routes agree with the portable kernels to float32's accuracy, the bound's
+    premise)."""
+    from ascend_adapters.testing.npu_emulator import served_env
+
+    model_dir = make_tiny(tmp_path / "tiny", seed=5)
+    rec = EvidenceRecord(model="deepseek_v4", gate="kv8_int8_npu_emulated")
+    ps = prompts(LENGTHS, seed=63)
+    kwargs = {**KV8, "kv_cache_dtype": "int8_per_token_head"}
+    env, called = served_env(tmp_path)
+    batches = engine_run(model_dir, [ps, [ps[-1]]], MAX_TOKENS, kwargs, env)
+    rec.command(
+        f"vllm.LLM(make_tiny(OUT, seed=5), {kwargs}) with torch_npu = testing.npu_emulator and ASCEND_ADAPTERS_NPU_"
+        f"EMULATOR=1, greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
+    )
+    ok = rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
+    ok &= _judge(rec, "emulated", model_dir, batches, cache_dtype="int8_per_token_head")
+    rec.write(evidence_root)
+    assert ok, rec.checks

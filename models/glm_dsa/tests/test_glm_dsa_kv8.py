@@ -102,3 +102,28 @@ def test_kv8_mtp_tp2(evidence_root, tmp_path_factory):
     ok &= rec.check(f"drafts accepted at every one of the {drafts} draft positions", all(n > 0 for n in per_pos))
     rec.write(evidence_root)
     assert ok, rec.checks
+
+
+@pytest.mark.vllm
+@pytest.mark.gate
+def test_kv8_int8_served_through_the_npu_emulator(sparse_ckpt, tmp_path, evidence_root):
+    """The int8 cache on the NPU kernel path, served: the torch_npu CONTRACT EMULATOR installed as ``torch_npu``
+    in the engine's processes and ``ASCEND_ADAPTERS_NPU_EMULATOR=1`` (``testing.npu_emulator``), so every cache
+    write is an ``npu_dynamic_quant`` call its page allows, and the model's other NPU twins run too. A contract
+    check on CPU, NOT AN NPU RUN. Judged as the portable int8 gate: against the int8 reference, in float32 (the
+    twins' float32 routes agree with the portable kernels to float32's accuracy, the bound's premise)."""
+    from ascend_adapters.testing.npu_emulator import served_env
+
+    rec = EvidenceRecord(model="glm_dsa", gate="kv8_int8_npu_emulated")
+    prompts = random_prompts(LENGTHS, seed=4)
+    kwargs = {**KV8, "kv_cache_dtype": "int8_per_token_head"}
+    env, called = served_env(tmp_path)
+    batches = engine_run(sparse_ckpt, [prompts, [prompts[-1]]], MAX_TOKENS, kwargs, env)
+    rec.command(
+        f"vllm.LLM({sparse_ckpt.name}, {kwargs}) with torch_npu = testing.npu_emulator and ASCEND_ADAPTERS_NPU_"
+        f"EMULATOR=1, greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
+    )
+    ok = rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
+    ok &= _judge(rec, "emulated", sparse_ckpt, batches, cache_dtype="int8_per_token_head")
+    rec.write(evidence_root)
+    assert ok, rec.checks

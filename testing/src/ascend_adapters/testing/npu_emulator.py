@@ -708,6 +708,24 @@ def write_shim(folder: Path) -> Path:
     return Path(folder)
 
 
+def served_env(folder: Path):
+    """The environment that serves a model on the NPU kernel path through this emulator (its shim first on
+    ``PYTHONPATH``, ``ASCEND_ADAPTERS_NPU_EMULATOR=1``, calls traced under ``folder``), and a function that
+    lists the torch_npu operators the server's processes called."""
+    import os
+
+    from ascend_adapters.common.platform import EMULATOR_ENV
+
+    shim, trace = write_shim(Path(folder) / "shim"), Path(folder) / "trace"
+    trace.mkdir(parents=True, exist_ok=True)
+    env = {
+        "PYTHONPATH": os.pathsep.join([str(shim), os.environ.get("PYTHONPATH", "")]),
+        EMULATOR_ENV: "1",
+        TRACE_ENV: str(trace),
+    }
+    return env, lambda: sorted({p.name.split("-", 1)[1] for p in trace.iterdir()})
+
+
 __all__ = [
     "IS_CONTRACT_EMULATOR",
     "NpuContractError",
