@@ -152,13 +152,14 @@ def test_plan_answers_and_counts_requests(tmp_path, capsys, configs, model):
 
 
 def test_kv_cache_dtype_fp8_for_glm_dsa_and_refused_by_rwkv7(tmp_path, capsys, configs):
-    """``--kv-cache-dtype fp8``: GLM-DSA's rows one byte a value plus a float32 scale a part (kv_c, k_pe,
-    indexer key: ``kv_lora_rank + rope + index_head_dim + 12`` bytes against ``2x`` the values in bfloat16);
-    RWKV-7, whose recurrent state is stored in the served dtype only, refuses it in one line (exit 2)."""
+    """``--kv-cache-dtype fp8`` (and ``int8_per_token_head``, the same bytes): GLM-DSA's rows one byte a value
+    plus a float32 scale a part (kv_c, k_pe, indexer key: ``kv_lora_rank + rope + index_head_dim + 12`` bytes
+    against ``2x`` the values in bfloat16); RWKV-7, whose recurrent state is stored in the served dtype only,
+    refuses it in one line (exit 2)."""
     d = _write_config(tmp_path / "glm", configs["glm_dsa"])
     args = [d, "--device", "910B", "--tp", 1, "--max-model-len", 1024, "--dtype", "bfloat16", "--json"]
     plans = {}
-    for dtype in ("auto", "fp8"):
+    for dtype in ("auto", "fp8", "int8_per_token_head"):
         rc, out, err = _run_cli(*args, "--kv-cache-dtype", dtype, capsys=capsys)
         assert rc == 0, err
         plans[dtype] = json.loads(out)["stages"][0]
@@ -167,11 +168,12 @@ def test_kv_cache_dtype_fp8_for_glm_dsa_and_refused_by_rwkv7(tmp_path, capsys, c
     pages = -(-1024 // P.BLOCK_SIZE) * cfg["num_hidden_layers"] * P.BLOCK_SIZE
     assert plans["auto"]["request_cache_bytes"] == pages * values * 2
     assert plans["fp8"]["request_cache_bytes"] == pages * (values + 3 * 4)
-    for model in ("rwkv7",):
-        d = _write_config(tmp_path / model, configs[model])
-        rc, out, err = _run_cli(d, *args[1:-1], "--kv-cache-dtype", "fp8", capsys=capsys)
+    assert plans["int8_per_token_head"]["request_cache_bytes"] == plans["fp8"]["request_cache_bytes"]
+    d = _write_config(tmp_path / "rwkv7", configs["rwkv7"])
+    for dtype in ("fp8", "int8_per_token_head"):
+        rc, out, err = _run_cli(d, *args[1:-1], "--kv-cache-dtype", dtype, capsys=capsys)
         assert rc == 2 and len(err.strip().splitlines()) == 1, err
-        assert "--kv-cache-dtype fp8: " in err and "stored in the served dtype only" in err, err
+        assert f"--kv-cache-dtype {dtype}: " in err and "stored in the served dtype only" in err, err
 
 
 def test_what_does_not_fit_is_said(tmp_path, capsys, configs):

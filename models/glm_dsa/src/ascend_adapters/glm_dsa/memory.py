@@ -50,7 +50,7 @@ def sparse_path(cfg, max_model_len: int) -> bool:
         raise PlanError(str(exc)) from None
 
 
-# the 8-bit latent cache is served (``--kv-cache-dtype fp8``): ``plan`` takes the flag for this adapter
+# the 8-bit latent cache is served (``--kv-cache-dtype fp8`` / ``int8_per_token_head``): ``plan`` takes the flag
 EIGHT_BIT_CACHE = True
 
 
@@ -197,6 +197,7 @@ def status_notes(lengths: tuple[int, ...] = (4096, 131072)) -> list[str]:
         per = glm5_request_cache(n)
         lines.append(
             f"  {n // 1024}k tokens: {per['auto'] / (1 << 30):.2f} GiB per request in bfloat16; "
-            f"--kv-cache-dtype fp8: {per['fp8'] / (1 << 30):.2f} GiB ({per['fp8'] / per['auto']:.2f}x)"
+            f"--kv-cache-dtype fp8 or int8_per_token_head: {per['fp8'] / (1 << 30):.2f} GiB "
+            f"({per['fp8'] / per['auto']:.2f}x)"
         )
     return lines
