@@ -84,7 +84,9 @@ CAPABILITY_GATES = (
 # (measured 2026-12-07, clean clone; the soak file alone 371 s of worker time). Listed by cost, dearest file first: --dist loadfile hands files out in this order, so the two
 # workers finish close together. Left to `nox -s gates`: GLM-DSA's served bad-input gate (89 s, four failed
 # engine starts; its refusals are also checked in process, without an engine, in the same file), RWKV-7's
-# prefix caching, DeepSeek-V4's fitted-MTP and 1M-context gates, the quant layer's TP, compiled and MoE gates.
+# prefix caching, DeepSeek-V4's fitted-MTP and 1M-context gates and its `vllm serve` over HTTP (37 s; the soak's
+# short form serves it over HTTP, greedy answers checked, and its parity gates hold the logits), the quant
+# layer's TP, compiled and MoE gates, the 8-bit KV cache's gates.
 FAST_SERVED_GATES = (
     # The soak's short form: each adapter behind `vllm serve`, 40 s of 32 clients' mixed traffic, every greedy
     # answer equal to it served alone, no 5xx (RSS recorded; `nox -s soak` checks it over 10 minutes each): ~300 s
@@ -114,9 +116,8 @@ FAST_SERVED_GATES = (
     "models/deepseek_v4/tests/test_deepseek_v4_paged.py::test_paged_state_at_length_with_prefix_cache",
     # GLM-DSA PP=2 (IndexShare across the stage boundary) + parity alone, batched, chunked: 54 s
     "models/glm_dsa/tests/test_glm_dsa_pp.py::test_pp2_matches_transformers_alone_batched_chunked",
-    # DeepSeek-V4 `vllm serve` over HTTP (transformers-saved config): 37 s; bad input refused at start-up
-    # (W8A8 export missing a companion tensor, in process, before any worker): ~5 s
-    "models/deepseek_v4/tests/test_deepseek_v4_serve.py::test_serve_transformers_saved_config",
+    # DeepSeek-V4 bad input refused at start-up (W8A8 export missing a companion tensor, in process, before any
+    # worker): ~5 s
     "models/deepseek_v4/tests/test_deepseek_v4_serve.py::test_startup_fails_closed_on_policy[w8a8_missing_companion]",
     # GLM-DSA TP=2 + EP=2 + W8A8 export (static attention linears, dynamic experts): 46 s
     "models/glm_dsa/tests/test_glm_dsa_tp.py::test_ep2_w8a8_export",
