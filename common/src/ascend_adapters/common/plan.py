@@ -73,9 +73,8 @@ class Request:
     dtype: str  # served dtype (the checkpoint's torch_dtype unless --dtype)
     block_size: int = BLOCK_SIZE
     max_num_batched_tokens: int = MAX_NUM_BATCHED_TOKENS
-    kv_cache_dtype: str = (
-        "auto"  # "auto": the served dtype; fp8 / fp8_e4m3 / int8_per_token_head: the 8-bit cache (kernels.kv8)
-    )
+    # "auto": the served dtype; fp8 / fp8_e4m3 / int8_per_token_head: the 8-bit cache (kernels.kv8)
+    kv_cache_dtype: str = "auto"
 
     @property
     def dtype_bytes(self) -> int:

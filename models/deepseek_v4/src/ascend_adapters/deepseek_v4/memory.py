@@ -47,8 +47,8 @@ HIT_TOKENS = 128
 # Every sliding cache has one page size, SLIDING_PAGE_ROWS rows of the lcm of their widths: two sliding caches
 # with the same block and window then have the same width, so vLLM never groups rows of different shapes.
 SLIDING_PAGE_ROWS = 8
-# the caches stored 8-bit under --kv-cache-dtype fp8 (the compressors' states stay in the model dtype: they are
-# pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
+# the caches stored 8-bit under an 8-bit --kv-cache-dtype (the compressors' states stay in the model dtype: they
+# are pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
 # ``ascend-adapters plan`` takes an 8-bit --kv-cache-dtype (fp8, int8_per_token_head) for this adapter
 EIGHT_BIT_CACHE = True
@@ -60,7 +60,7 @@ class CacheGeometry:
     tokens_per_row: int  # 1: a row per position; rate: a compressed entry per rate positions
     block_size: int  # positions per block
     sliding_window: int | None  # a step reads the sliding_window - 1 positions before its first; None: all
-    # stored 8-bit (--kv-cache-dtype fp8: the window, the entries and the indexer keys; common.kernels.kv8): a
+    # stored 8-bit (an 8-bit --kv-cache-dtype: the window, the entries, the indexer keys; common.kernels.kv8): a
     # byte a value and one float32 scale a row, whatever the model dtype
     eight_bit: bool = False
 

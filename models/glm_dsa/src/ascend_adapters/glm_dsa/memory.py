@@ -2,7 +2,8 @@
 
 * The KV cache: each attention layer declares one latent row per token to vLLM (``model.py``,
   ``GlmDsaAttention.get_kv_cache_spec``: an ``MLAAttentionSpec`` of one KV head, never sharded by TP, in
-  the model dtype, or 8-bit under ``--kv-cache-dtype fp8`` / ``int8_per_token_head``: a byte a value and a float32 scale a part):
+  the model dtype, or 8-bit under ``--kv-cache-dtype fp8`` / ``int8_per_token_head``: a byte a value and a
+  float32 scale a part):
   ``kv_lora_rank + qk_rope_head_dim`` values, plus the indexer key (``index_head_dim``) on the sparse
   path, which ``config.choose_attention_mode`` takes when ``max_model_len`` exceeds ``index_topk``. A block holds ``block_size`` rows; vLLM reserves
   ``ceil(max_model_len / block_size)`` blocks per layer and request (``max_memory_usage_bytes`` of a
@@ -65,8 +66,8 @@ def row_width(cfg, sparse: bool) -> int:
 
 
 def row_bytes(cfg, sparse: bool, req: Request) -> int:
-    """Bytes of one token's cache row as ``req`` serves it: the row in the served dtype, or 8-bit (one e4m3
-    byte a value and a float32 scale a part, ``kernels.kv8``: ``GlmDsaAttention.cache_rows``)."""
+    """Bytes of one token's cache row as ``req`` serves it: the row in the served dtype, or 8-bit (one byte a
+    value and a float32 scale a part, ``kernels.kv8``: ``GlmDsaAttention.cache_rows``)."""
     parts = row_parts(cfg, sparse)
     if req.kv_cache_dtype in EIGHT_BIT_CACHE_DTYPES:
         return eight_bit_row_bytes(parts)

@@ -283,7 +283,7 @@ class GlmDsaAttention(nn.Module, AttentionLayerBase):
         # latent row: kv_c | k_pe | indexer key (sparse path only; same width for every layer)
         self.index_dim = config.index_head_dim if mode is AttentionMode.SPARSE else 0
         self.row_dim = self.kv_lora_rank + self.rope_dim + self.index_dim
-        # stored in the model dtype, or 8-bit (--kv-cache-dtype fp8: each part its own scale)
+        # stored in the model dtype, or 8-bit (an 8-bit --kv-cache-dtype: each part its own scale)
         parts = (self.kv_lora_rank, self.rope_dim) + ((self.index_dim,) if self.index_dim else ())
         self.cache_rows = CacheRows(parts, torch.get_default_dtype(), cache_config.cache_dtype)
 
