@@ -25,7 +25,9 @@ The int8 form: midpoints are half a step from a code, ``scale = a / 127``, so va
 A float32 row is rounded to bfloat16 first (npu_dynamic_quant's input), whose midpoints catch about
 ``2 * 1e-6 / 2**-7 ~ 3e-4`` of the values, each then one bfloat16 step (``2**-7 |x|``, about a step of the
 code at the part's largest values) apart. Linearised, ``2 * 6e-4 D ~ D / 800``: ``D / 20`` holds with over an
-order of magnitude to spare.
+order of magnitude to spare. A bfloat16 value over its float32 scale is often a half-integer exactly (about
+8e-4 of them): both sides divide in float32 and round half to even, so such ties go the same way (divided in
+float64 instead, the reference disagreed on them and a greedy token with it).
 """
 
 from __future__ import annotations
