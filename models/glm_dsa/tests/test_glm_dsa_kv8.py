@@ -112,6 +112,7 @@ def test_kv8_int8_served_through_the_npu_emulator(sparse_ckpt, tmp_path, evidenc
     write is an ``npu_dynamic_quant`` call its page allows, and the model's other NPU twins run too. A contract
     check on CPU, NOT AN NPU RUN. Judged as the portable int8 gate: against the int8 reference, in float32 (the
     twins' float32 routes agree with the portable kernels to float32's accuracy, the bound's premise)."""
+    from ascend_adapters.common.platform import EMULATOR_ENV
     from ascend_adapters.testing.npu_emulator import served_env
 
     rec = EvidenceRecord(model="glm_dsa", gate="kv8_int8_npu_emulated")
@@ -120,8 +121,8 @@ def test_kv8_int8_served_through_the_npu_emulator(sparse_ckpt, tmp_path, evidenc
     env, called = served_env(tmp_path)
     batches = engine_run(sparse_ckpt, [prompts, [prompts[-1]]], MAX_TOKENS, kwargs, env)
     rec.command(
-        f"vllm.LLM({sparse_ckpt.name}, {kwargs}) with torch_npu = testing.npu_emulator and ASCEND_ADAPTERS_NPU_"
-        f"EMULATOR=1, greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
+        f"vllm.LLM({sparse_ckpt.name}, {kwargs}) with torch_npu = testing.npu_emulator and {EMULATOR_ENV}=1, "
+        f"greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
     )
     ok = rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
     ok &= _judge(rec, "emulated", sparse_ckpt, batches, cache_dtype="int8_per_token_head")
