@@ -80,8 +80,9 @@ CAPABILITY_GATES = (
 # The served part of `nox -s tests` on the primary engine: one served test per capability of each adapter
 # and of common's quant layer, picked so that few engine starts cover them (`nox -s gates` runs every one).
 # Seconds: the 0.32.0 records' duration_s (evidence/, two test files at a time on 2 CPUs), plus the module
-# fixtures a record does not time (marked ~: estimated); 16 min 12 s on 2 workers with the soak's short form
-# (measured 2026-12-07, clean clone; the soak file alone 371 s of worker time). Listed by cost, dearest file first: --dist loadfile hands files out in this order, so the two
+# fixtures a record does not time (marked ~: estimated); 16 min 03 s on 2 workers with the soak's short form
+# (measured 2026-12-07, clean clone, 19 min 26 s for the whole test command; the soak file alone 371 s of worker
+# time). Listed by cost, dearest file first: --dist loadfile hands files out in this order, so the two
 # workers finish close together. Left to `nox -s gates`: GLM-DSA's served bad-input gate (89 s, four failed
 # engine starts; its refusals are also checked in process, without an engine, in the same file), RWKV-7's
 # prefix caching, DeepSeek-V4's fitted-MTP and 1M-context gates and its `vllm serve` over HTTP (37 s; the soak's
