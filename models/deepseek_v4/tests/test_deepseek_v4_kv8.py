@@ -22,7 +22,7 @@ from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.memory import hit_tokens
 from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
 from ascend_adapters.testing.engine_worker import engine_run
-from ascend_adapters.testing.kv8_reference import judge
+from ascend_adapters.testing.kv8_reference import judge, served_on_the_npu_path
 from ascend_adapters.testing.parity import two_rank_cpu_bind
 
 KV8 = {
@@ -104,20 +104,10 @@ def test_kv8_int8_served_through_the_npu_emulator(tmp_path, evidence_root):
     too. A contract check on CPU, NOT AN NPU RUN. Judged as the portable int8 gate: against the int8 reference,
     in float32 (the twins' float32 routes agree with the portable kernels to float32's accuracy, the bound's
     premise)."""
-    from ascend_adapters.common.platform import EMULATOR_ENV
-    from ascend_adapters.testing.npu_emulator import served_env
-
     model_dir = make_tiny(tmp_path / "tiny", seed=5)
     rec = EvidenceRecord(model="deepseek_v4", gate="kv8_int8_npu_emulated")
     ps = prompts(LENGTHS, seed=63)
-    kwargs = {**KV8, "kv_cache_dtype": "int8_per_token_head"}
-    env, called = served_env(tmp_path)
-    batches = engine_run(model_dir, [ps, [ps[-1]]], MAX_TOKENS, kwargs, env)
-    rec.command(
-        f"vllm.LLM(make_tiny(OUT, seed=5), {kwargs}) with torch_npu = testing.npu_emulator and {EMULATOR_ENV}=1, "
-        f"greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
-    )
-    ok = rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
+    batches, ok = served_on_the_npu_path(rec, model_dir, "make_tiny(OUT, seed=5)", ps, MAX_TOKENS, KV8, tmp_path)
     ok &= _judge(rec, "emulated", model_dir, batches, cache_dtype="int8_per_token_head")
     rec.write(evidence_root)
     assert ok, rec.checks

@@ -19,7 +19,7 @@ from _glm_dsa_ref import Reference, build, random_prompts
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.engine_worker import engine_run
-from ascend_adapters.testing.kv8_reference import judge
+from ascend_adapters.testing.kv8_reference import judge, served_on_the_npu_path
 from ascend_adapters.testing.parity import two_rank_cpu_bind
 
 KV8 = {
@@ -112,19 +112,9 @@ def test_kv8_int8_served_through_the_npu_emulator(sparse_ckpt, tmp_path, evidenc
     write is an ``npu_dynamic_quant`` call its page allows, and the model's other NPU twins run too. A contract
     check on CPU, NOT AN NPU RUN. Judged as the portable int8 gate: against the int8 reference, in float32 (the
     twins' float32 routes agree with the portable kernels to float32's accuracy, the bound's premise)."""
-    from ascend_adapters.common.platform import EMULATOR_ENV
-    from ascend_adapters.testing.npu_emulator import served_env
-
     rec = EvidenceRecord(model="glm_dsa", gate="kv8_int8_npu_emulated")
     prompts = random_prompts(LENGTHS, seed=4)
-    kwargs = {**KV8, "kv_cache_dtype": "int8_per_token_head"}
-    env, called = served_env(tmp_path)
-    batches = engine_run(sparse_ckpt, [prompts, [prompts[-1]]], MAX_TOKENS, kwargs, env)
-    rec.command(
-        f"vllm.LLM({sparse_ckpt.name}, {kwargs}) with torch_npu = testing.npu_emulator and {EMULATOR_ENV}=1, "
-        f"greedy {MAX_TOKENS} tokens: prompts of {LENGTHS} tokens batched, the longest alone"
-    )
-    ok = rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
+    batches, ok = served_on_the_npu_path(rec, sparse_ckpt, sparse_ckpt.name, prompts, MAX_TOKENS, KV8, tmp_path)
     ok &= _judge(rec, "emulated", sparse_ckpt, batches, cache_dtype="int8_per_token_head")
     rec.write(evidence_root)
     assert ok, rec.checks

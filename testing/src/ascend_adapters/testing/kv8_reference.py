@@ -72,6 +72,26 @@ def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
 # the reference quantisation of each 8-bit --kv-cache-dtype (policy.EIGHT_BIT_CACHE_DTYPES)
 ROUND_TRIPS = {"fp8": e4m3_round_trip, "fp8_e4m3": e4m3_round_trip, "int8_per_token_head": int8_round_trip}
 
+
+def served_on_the_npu_path(rec, model_dir, label: str, prompts: list, max_tokens: int, kwargs: dict, workdir):
+    """The int8 gates' NPU-path run: ``prompts`` batched, then the last alone, served with the torch_npu CONTRACT
+    EMULATOR as ``torch_npu`` in the engine's processes and the NPU kernel path on (``npu_emulator.served_env``;
+    a contract check on CPU, not an NPU run). The command into ``rec`` (``label``: how it names the model) and
+    a check that the cache writes took ``npu_dynamic_quant``. Returns the batches and that check."""
+    from ascend_adapters.common.platform import EMULATOR_ENV
+    from ascend_adapters.testing.engine_worker import engine_run
+    from ascend_adapters.testing.npu_emulator import served_env
+
+    kwargs = {**kwargs, "kv_cache_dtype": "int8_per_token_head"}
+    env, called = served_env(workdir)
+    batches = engine_run(model_dir, [prompts, [prompts[-1]]], max_tokens, kwargs, env)
+    rec.command(
+        f"vllm.LLM({label}, {kwargs}) with torch_npu = testing.npu_emulator and {EMULATOR_ENV}=1, greedy "
+        f"{max_tokens} tokens: prompts of {tuple(len(p) for p in prompts)} tokens batched, the longest alone"
+    )
+    return batches, rec.check("the cache writes took npu_dynamic_quant", "npu_dynamic_quant" in called(), str(called()))
+
+
 Reference = Callable[[list[int]], torch.Tensor]  # token ids -> logits [len(ids), V]
 
 
