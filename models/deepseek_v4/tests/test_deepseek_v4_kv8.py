@@ -22,7 +22,7 @@ from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.deepseek_v4.memory import hit_tokens
 from ascend_adapters.deepseek_v4.tiny import make_tiny, tiny_config
 from ascend_adapters.testing.engine_worker import engine_run
-from ascend_adapters.testing.kv8_reference import judge, served_on_the_npu_path
+from ascend_adapters.testing.kv8_reference import PARITY_GATES, judge, served_on_the_npu_path
 from ascend_adapters.testing.parity import two_rank_cpu_bind
 
 KV8 = {
@@ -37,7 +37,6 @@ KV8 = {
 LENGTHS = (5, 40, 150, 300)
 SHARED = 256  # tokens of the longest prompt a later prompt repeats: two whole 128-token hits
 MAX_TOKENS = 10
-KV8_PARITY_GATES = {"fp8": "kv8_parity", "int8_per_token_head": "kv8_int8_parity"}
 
 
 def _judge(rec, label, model_dir, batches, shared: int | None = None, cache_dtype: str = "fp8") -> bool:
@@ -51,7 +50,7 @@ def _judge(rec, label, model_dir, batches, shared: int | None = None, cache_dtyp
 def test_kv8_batched_chunked_prefix_hit(tmp_path_factory, evidence_root, cache_dtype):
     assert hit_tokens(tiny_config()) == 128 and SHARED % 128 == 0
     model_dir = make_tiny(tmp_path_factory.mktemp("dsv4_kv8") / "tiny", seed=5)
-    rec = EvidenceRecord(model="deepseek_v4", gate=KV8_PARITY_GATES[cache_dtype])
+    rec = EvidenceRecord(model="deepseek_v4", gate=PARITY_GATES[cache_dtype])
     ps = prompts(LENGTHS, seed=61)
     shared = ps[-1][:SHARED] + prompts((30,), seed=62)[0]
     kwargs = {**KV8, "kv_cache_dtype": cache_dtype, "enable_prefix_caching": True}

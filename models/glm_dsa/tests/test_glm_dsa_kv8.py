@@ -19,7 +19,7 @@ from _glm_dsa_ref import Reference, build, random_prompts
 
 from ascend_adapters.common.evidence import EvidenceRecord
 from ascend_adapters.testing.engine_worker import engine_run
-from ascend_adapters.testing.kv8_reference import judge, served_on_the_npu_path
+from ascend_adapters.testing.kv8_reference import PARITY_GATES, judge, served_on_the_npu_path
 from ascend_adapters.testing.parity import two_rank_cpu_bind
 
 KV8 = {
@@ -35,7 +35,6 @@ KV8 = {
 LENGTHS = (3, 21, 64, 100)
 SHARED = 64  # tokens of the longest prompt a later prompt repeats: 4 whole blocks
 MAX_TOKENS = 12
-KV8_PARITY_GATES = {"fp8": "kv8_parity", "int8_per_token_head": "kv8_int8_parity"}
 
 
 def _judge(rec, label: str, ckpt, batches, shared: int | None = None, cache_dtype: str = "fp8") -> bool:
@@ -51,7 +50,7 @@ def sparse_ckpt(tmp_path_factory):
 @pytest.mark.gate
 @pytest.mark.parametrize("cache_dtype", ["fp8", "int8_per_token_head"])
 def test_kv8_sparse_batched_chunked_prefix_hit(sparse_ckpt, evidence_root, cache_dtype):
-    rec = EvidenceRecord(model="glm_dsa", gate=KV8_PARITY_GATES[cache_dtype])
+    rec = EvidenceRecord(model="glm_dsa", gate=PARITY_GATES[cache_dtype])
     prompts = random_prompts(LENGTHS, seed=2)
     shared = prompts[-1][:SHARED] + random_prompts((30,), seed=9)[0]
     kwargs = {**KV8, "kv_cache_dtype": cache_dtype, "enable_prefix_caching": True}

@@ -71,6 +71,8 @@ def int8_round_trip(x: torch.Tensor) -> torch.Tensor:
 
 # the reference quantisation of each 8-bit --kv-cache-dtype (policy.EIGHT_BIT_CACHE_DTYPES)
 ROUND_TRIPS = {"fp8": e4m3_round_trip, "fp8_e4m3": e4m3_round_trip, "int8_per_token_head": int8_round_trip}
+# the served parity gates' record per format (GLM-DSA's and DeepSeek-V4's alike)
+PARITY_GATES = {"fp8": "kv8_parity", "int8_per_token_head": "kv8_int8_parity"}
 
 
 def served_on_the_npu_path(rec, model_dir, label: str, prompts: list, max_tokens: int, kwargs: dict, workdir):

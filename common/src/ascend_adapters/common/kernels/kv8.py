@@ -69,8 +69,13 @@ def kv8_dequantize(stored: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor
     finite: a row this cache never wrote (a block vLLM lent another cache group, whose pages share the
     block's bytes: DeepSeek-V4's packed layout) holds any bytes, NaN codes and scales included, and the
     attention kernels mask such rows by a zero weight, which a NaN would survive. A written row is finite."""
+    return _read_back(stored, parts, torch.float8_e4m3fn)
+
+
+def _read_back(stored: torch.Tensor, parts: tuple[int, ...], code_dtype: torch.dtype) -> torch.Tensor:
+    """Both formats' read: the codes (``code_dtype``) times their part's scale, in float32, every value finite."""
     width = sum(parts)
-    codes = stored[..., :width].view(torch.float8_e4m3fn).float()
+    codes = stored[..., :width].view(code_dtype).float()
     scale = stored[..., width : width + SCALE_BYTES * len(parts)].contiguous().view(torch.float32)
     rows = codes * scale[..., _column_parts(tuple(parts), stored.device)]
     return torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
@@ -84,6 +89,11 @@ def _int8_input(part: torch.Tensor) -> torch.Tensor:
     return part if part.dtype in (torch.float16, torch.bfloat16) else part.to(torch.bfloat16)
 
 
+def _int8_stored(codes: list[torch.Tensor], scales: list[torch.Tensor]) -> torch.Tensor:
+    """Each part's int8 codes ``[..., w_i]`` and float32 scale ``[...]`` as a stored row (both int8 kernels)."""
+    return torch.cat([*(c.view(torch.uint8) for c in codes), torch.stack(scales, dim=-1).view(torch.uint8)], dim=-1)
+
+
 @dispatch.portable("common.kv8_int8_quantize")
 def kv8_int8_quantize(rows: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
     """``rows [..., sum(parts)]`` as stored int8 bytes ``[..., row_bytes(parts)]`` (uint8): per part
@@ -93,9 +103,9 @@ def kv8_int8_quantize(rows: torch.Tensor, parts: tuple[int, ...]) -> torch.Tenso
         x = _int8_input(p).float()
         scale = x.abs().amax(dim=-1) / INT8_MAX
         safe = torch.where(scale > 0, scale, torch.ones_like(scale))
-        codes.append(torch.round(x / safe[..., None]).clamp(-128, 127).to(torch.int8).view(torch.uint8))
+        codes.append(torch.round(x / safe[..., None]).clamp(-128, 127).to(torch.int8))
         scales.append(scale)
-    return torch.cat([*codes, torch.stack(scales, dim=-1).contiguous().view(torch.uint8)], dim=-1)
+    return _int8_stored(codes, scales)
 
 
 @dispatch.npu("common.kv8_int8_quantize")
@@ -108,19 +118,15 @@ def kv8_int8_quantize_npu(rows: torch.Tensor, parts: tuple[int, ...]) -> torch.T
     codes, scales = [], []
     for p in rows.split(parts, dim=-1):
         y, scale = torch_npu.npu_dynamic_quant(_int8_input(p).reshape(-1, p.shape[-1]))
-        codes.append(y.view(torch.uint8).reshape(*lead, -1))
+        codes.append(y.reshape(*lead, -1))
         scales.append(scale.reshape(lead))
-    return torch.cat([*codes, torch.stack(scales, dim=-1).contiguous().view(torch.uint8)], dim=-1)
+    return _int8_stored(codes, scales)
 
 
 @dispatch.portable("common.kv8_int8_dequantize")
 def kv8_int8_dequantize(stored: torch.Tensor, parts: tuple[int, ...]) -> torch.Tensor:
     """Stored int8 bytes read back as float32 rows, every value finite (``kv8_dequantize``'s reason)."""
-    width = sum(parts)
-    codes = stored[..., :width].view(torch.int8).float()
-    scale = stored[..., width : width + SCALE_BYTES * len(parts)].contiguous().view(torch.float32)
-    rows = codes * scale[..., _column_parts(tuple(parts), stored.device)]
-    return torch.nan_to_num(rows, nan=0.0, posinf=0.0, neginf=0.0)
+    return _read_back(stored, parts, torch.int8)
 
 
 class CacheRows:
