@@ -173,13 +173,14 @@ def test_int8_bytes_never_written_read_back_finite():
     assert torch.isfinite(kv8.kv8_int8_dequantize(stored, parts)).all()
 
 
-def test_a_write_and_a_read_are_graph_shaped():
+@pytest.mark.parametrize("cache_dtype", kv8.EIGHT_BIT_CACHE_DTYPES)
+def test_a_write_and_a_read_are_graph_shaped(cache_dtype):
     """Quantising a step's rows and reading rows back read no device value on the host and dispatch the
     same ops at 2 and at 64 rows (``testing.capture.HostReads``): they sit inside captured decode steps. (One
     row is one op fewer: its scale bytes are contiguous already, so reading them copies nothing.)"""
     from ascend_adapters.testing.capture import HostReads
 
-    rows = kv8.CacheRows(PARTS, torch.float32, "fp8")
+    rows = kv8.CacheRows(PARTS, torch.float32, cache_dtype)
     ops = []
     for n in (2, 64):
         x = _rows((n,))
