@@ -200,7 +200,8 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
             "entries": (None, rates[LAYER_CSA]),
             "index": (None, rates[LAYER_CSA]),
         },
-        LAYER_HCA: {"window": (w, 1), "state": (rates[LAYER_HCA], 1), "entries": (None, rates[LAYER_HCA])},
+        # an HCA layer's state: its window's running summary, read at the position before a step
+        LAYER_HCA: {"window": (w, 1), "state": (2, 1), "entries": (None, rates[LAYER_HCA])},
     }
     model = vllm_model(dirs["tiny"])
     sliding_pages = set()
@@ -218,7 +219,10 @@ def test_attention_caches_are_kv_cache_specs_per_layer_type(dirs, vllm_model):
             else:
                 assert type(spec) is SlidingWindowMLASpec and spec.sliding_window == window, (i, kind)
                 assert 128 % spec.block_size == 0, (i, kind, spec.block_size)
-                sliding_pages.add(spec.page_size_bytes)
+                if cache.geometry.float32:  # an HCA summary: float32 whatever the model dtype
+                    assert spec.dtype == torch.float32 and kind == "state", (i, kind)
+                else:
+                    sliding_pages.add(spec.page_size_bytes)
             backend = cache.get_attn_backend()
             assert backend.get_builder_cls().get_cudagraph_support(None, None) is AttentionCGSupport.UNIFORM_BATCH
             layouts = backend.supported_kv_cache_layouts()  # None only where the engine has no layouts (0.27/0.28)
@@ -356,6 +360,44 @@ def test_kernels_match_transformers_modules():
             x[0], mlp.experts.gate_up_proj, mlp.experts.down_proj, w, ids, limit=model.config.swiglu_limit
         )
         assert torch.allclose(ref, got, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_window_summaries_continue_across_steps_and_close_as_the_whole_window(dtype):
+    """``dsv4.window_summaries`` (an HCA compressor's running summary): positions 0..40 of a request at rate 8,
+    brought in steps of 1, 5, 13 and 22 tokens (a step continuing the summary cached at its first position's
+    predecessor, as the attention does), beside a second request's padded row: every valid cell's pooling is
+    the softmax-gated pooling of its window's positions up to it and its log-denominator their logsumexp, both
+    computed whole here in float64 (transformers' HCA pooling, ``softmax(gate) * kv`` summed over the window,
+    at a window's last position). Bound: float32 sums of at most 8 terms, ``1e-5`` relative on these O(1)
+    values; bfloat16 inputs are read exactly (the kernel works in float32)."""
+    rate, c, n = 8, 6, 41
+    g = torch.Generator().manual_seed(1)
+    kv = torch.randn(n, c, generator=g).to(dtype)
+    gate = (4 * torch.randn(n, c, generator=g)).to(dtype)
+    got, prev = [], torch.full((2, 2 * c), float("nan"))
+    for a, b in ((0, 1), (1, 6), (6, 19), (19, 41)):
+        width = b - a
+        pos = torch.arange(a, a + 22)[None].expand(2, -1)  # a grid of 22 columns: the request, then padding
+        valid = torch.zeros(2, 22, dtype=torch.bool)
+        valid[0, :width] = True
+        kv_cells, gate_cells = (
+            torch.cat([t[a:b], t[:1].expand(22 - width, -1)])[None].expand(2, -1, -1) for t in (kv, gate)
+        )
+        carried = torch.tensor([a % rate != 0, True])
+        out = K.window_summaries(kv_cells, gate_cells, pos // rate, valid, carried, prev)
+        assert out.dtype == torch.float32 and out.shape == (2, 22, 2 * c)
+        got.append(out[0, :width])
+        prev = out[:, width - 1]
+    got = torch.cat(got)
+    for p in range(n):
+        w0 = p // rate * rate
+        weights = gate[w0 : p + 1].double().softmax(dim=0)
+        pooled = (weights * kv[w0 : p + 1].double()).sum(0)
+        lse = torch.logsumexp(gate[w0 : p + 1].double(), dim=0)
+        assert torch.allclose(got[p, :c].double(), pooled, rtol=1e-5, atol=1e-5), p
+        assert torch.allclose(got[p, c:].double(), lse, rtol=1e-5, atol=1e-5), p
+    assert torch.isfinite(got).all()
 
 
 def _long_yarn_config():

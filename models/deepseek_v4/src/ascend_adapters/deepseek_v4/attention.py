@@ -8,8 +8,9 @@ to five ``DeepseekV4Cache`` layers (``memory.layer_caches``), each with a KV-cac
 a request holds only what its layer type needs for its own length:
 
 * ``window``      one row of ``head_dim`` per position (the shared K=V), sliding window W;
-* ``state``       the compressor's KV projection and gate of each position, sliding window 2*rate
-  (CSA: an entry pools two windows) or rate (HCA); ``index_state`` the indexer's (CSA);
+* ``state``       CSA: the compressor's KV projection and gate of each position, sliding window 2*rate (an
+  entry pools two windows); ``index_state`` the indexer's. HCA: each position's running summary of its
+  window (``compressor.py``), float32, sliding window 2 (a step reads the position before its first);
 * ``entries``     one compressed KV entry per ``rate`` positions, entry w at row w;
 * ``index``       the indexer's compressed key per ``rate`` positions (CSA).
 
@@ -19,8 +20,8 @@ into chunks: each token reads only positions of its own request written before.
 
 A step is one pass over all its tokens: every row the step brings is written first (one scatter per
 cache, slots from the block tables), then every grid of queries (``backend.Segment``: all the step's
-decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows, and then each
-attends, reading its requests' rows through their block tables. Positions, sequence starts and masks
+decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows (HCA: writes
+its summaries and closes windows from them, grid after grid), and then each attends, reading its requests' rows through their block tables. Positions, sequence starts and masks
 are device tensors; the host holds only shapes, so a uniform decode step replays from a graph.
 """
 
@@ -87,6 +88,7 @@ class DeepseekV4Cache(nn.Module, AttentionLayerBase):
 
     def __init__(self, geometry: CacheGeometry, dtype: torch.dtype, cache_dtype: str, layer_name: str):
         super().__init__()
+        dtype = torch.float32 if geometry.float32 else dtype
         self.geometry, self.dtype, self.layer_name = geometry, dtype, layer_name
         self.rows_per_block = geometry.rows_per_block
         # each row stored in the model dtype, or 8-bit with its scale (--kv-cache-dtype, memory.EIGHT_BIT_KINDS)
@@ -245,10 +247,15 @@ class DeepseekV4Attention(nn.Module):
         x, q, kv, qr, positions = x[:n], q[:n], kv[:n], qr[:n], positions[:n]
         req = step.token_request
         _write(window, *_slots(window, tables[WINDOW], req, positions), kv)
-        if self.compressor is not None:
-            for kind, comp in self._compressors():
+        states = (
+            {kind: comp.states(x, positions) for kind, comp in self._compressors()}
+            if self.compressor is not None
+            else {}
+        )
+        if self.layer_type == LAYER_CSA:
+            for kind, rows in states.items():
                 cache = self.caches[kind]
-                _write(cache, *_slots(cache, tables[kind], req, positions), comp.states(x, positions))
+                _write(cache, *_slots(cache, tables[kind], req, positions), rows)
         # each request's first position this step (its padding requests: the step's last token's)
         starts = positions[step.query_start_loc.clamp(max=n - 1)]
         grids = []
@@ -263,8 +270,11 @@ class DeepseekV4Attention(nn.Module):
         if self.compressor is not None:
             # every entry the step closes before any query reads: a request whose prefix-cache hit covers blocks
             # another request of the same step computes reads their entries, whichever grid comes first
-            for _, _, seg_tables, _, valid, qpos in grids:
-                self._close_windows(seg_tables, qpos, valid)
+            for _, _, seg_tables, rows, valid, qpos in grids:
+                if self.layer_type == LAYER_CSA:
+                    self._close_windows(seg_tables, qpos, valid)
+                else:  # in grid order: a prefill request's tile continues the summaries of its tile before
+                    self._summarise_windows(states[STATE][rows], seg_tables, qpos, valid)
         for seg, reqs, seg_tables, rows, _, qpos in grids:
             a, b = seg.token_rows
             grid = self._attend_grid(x[rows], q[rows], qr[rows], qpos, starts[reqs] + seg.offset, seg_tables, step)
@@ -279,25 +289,48 @@ class DeepseekV4Attention(nn.Module):
         if self.layer_type == LAYER_CSA:
             yield INDEX_STATE, self.compressor.indexer
 
-    def _close_windows(self, tables, qpos, valid) -> None:
-        """The grid's tokens that close a window (position ``rate * (w + 1) - 1``) pool window ``w``'s
-        states into entry ``w`` (and the indexer's key ``w``); the others write into vLLM's null block."""
+    def _closed_windows(self, qpos, valid) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window ``w`` each cell of a grid would close (clamped at 0) and whether it closes it (its
+        position is ``rate * (w + 1) - 1``)."""
         m = self.rate
-        w = (qpos + 1) // m - 1
-        closing = valid & ((qpos + 1) % m == 0)
-        w_row = w.clamp(min=0)
+        return ((qpos + 1) // m - 1).clamp(min=0), valid & ((qpos + 1) % m == 0)
+
+    def _write_cells(self, kind: str, tables, rows, write, values) -> None:
+        """``values`` (one per cell of a grid) into rows ``rows`` of cache ``kind`` where ``write``; the other
+        cells write into vLLM's null block."""
+        cache = self.caches[kind]
+        block, offset = _slots(cache, tables[kind], _grid_requests(rows), rows)
+        block = torch.where(write, block, torch.zeros_like(block))
+        offset = torch.where(write, offset, torch.zeros_like(offset))
+        _write(cache, block.flatten(), offset.flatten(), values)
+
+    def _close_windows(self, tables, qpos, valid) -> None:
+        """CSA: the grid's tokens that close a window pool the cached states of window ``w`` and the one
+        before into entry ``w`` (and the indexer's key ``w``)."""
+        m = self.rate
+        w_row, closing = self._closed_windows(qpos, valid)
         for (state_kind, comp), entry_kind in zip(self._compressors(), (ENTRIES, INDEX)):
-            state = self.caches[state_kind]
-            span = state.geometry.sliding_window  # the rows an entry pools: 2 * rate (overlap) or rate
+            span = self.caches[state_kind].geometry.sliding_window  # 2 * rate: the rows an entry pools
             srows = (w_row + 1)[..., None] * m - span + torch.arange(span, device=qpos.device)
             states = self._rows_of(state_kind, tables, srows.clamp(min=0))
-            has_prev = (w >= 1).flatten() if comp.overlap else None
+            has_prev = ((qpos + 1) // m >= 2).flatten()
             entries = comp.pool(states.flatten(0, 1), has_prev, w_row.flatten(), self.compress_rotary_emb)
-            cache = self.caches[entry_kind]
-            block, offset = _slots(cache, tables[entry_kind], _grid_requests(w_row), w_row)
-            block = torch.where(closing, block, torch.zeros_like(block))
-            offset = torch.where(closing, offset, torch.zeros_like(offset))
-            _write(cache, block.flatten(), offset.flatten(), entries)
+            self._write_cells(entry_kind, tables, w_row, closing, entries)
+
+    def _summarise_windows(self, states, tables, qpos, valid) -> None:
+        """HCA: every cell of the grid (``states [R, L, 2 * head_dim]``) summarises its window so far,
+        continuing the cached summary before its row's first position, into the summary cache; the tokens
+        that close a window write its pooling, normalised and rotated, as entry ``w``."""
+        comp = self.compressor
+        first = qpos[:, :1]
+        prev = self._rows_of(STATE, tables, (first - 1).clamp(min=0))[:, 0]
+        summary = comp.summaries(states, qpos, valid, (first % self.rate != 0).flatten(), prev)
+        self._write_cells(STATE, tables, qpos, valid, summary.flatten(0, 1))
+        w_row, closing = self._closed_windows(qpos, valid)
+        pooled = summary[..., : self.head_dim].to(states.dtype).flatten(0, 1)
+        self._write_cells(
+            ENTRIES, tables, w_row, closing, comp.finish(pooled, w_row.flatten(), self.compress_rotary_emb)
+        )
 
     def _rows_of(self, kind: str, tables, rows: torch.Tensor) -> torch.Tensor:
         """Rows ``rows [R, ...]`` of cache ``kind`` of a grid's requests (``tables``: the grid's block tables)."""

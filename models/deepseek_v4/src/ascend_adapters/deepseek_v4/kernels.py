@@ -8,7 +8,8 @@ routed float experts (``common.swiglu_experts``), each with its NPU twin; RoPE i
 
 NPU twins of this model's own hot ops (op-plugin docs/zh/custom_APIs/torch_npu, searched for each):
 
-* ``dsv4.compress_windows`` (the compressor's softmax-gated window pooling): no documented op;
+* ``dsv4.compress_windows`` (a CSA compressor's softmax-gated pooling of two windows) and
+  ``dsv4.window_summaries`` (an HCA compressor's running pooling of its window): no documented op;
 * ``dsv4.sink_attention`` (the sparse attention over the window and the compressed entries the
   indexer keeps, with a per-head sink logit): ``npu_fused_infer_attention_score_v2`` documents a
   ``learnable_sink`` input; a twin through it is not written yet (its contract is not emulated);
@@ -158,20 +159,13 @@ def sink_attention(
 
 
 @dispatch.portable("dsv4.compress_windows")
-def compress_windows(
-    kv: torch.Tensor, gate: torch.Tensor, overlap: bool, head_dim: int, has_prev: torch.Tensor | None
-) -> torch.Tensor:
-    """Softmax-gated pooling of one window per entry: ``kv``/``gate`` ``[N, S, C]`` (the gate with
-    ``position_bias`` added) -> ``[N, head_dim]`` before the norm.
-
-    Without overlap (HCA) S = ratio and C = head_dim: an entry pools its window. With overlap (CSA)
-    S = 2*ratio and C = 2*head_dim: rows ``[0, ratio)`` are the previous window, of which the first half
-    of the channels (Ca) counts, rows ``[ratio, 2*ratio)`` the entry's own window, of which the second
-    half (Cb) counts; ``has_prev [N]`` bool is False for entry 0 (no previous window: its rows weigh
-    nothing and their values are not read).
+def compress_windows(kv: torch.Tensor, gate: torch.Tensor, head_dim: int, has_prev: torch.Tensor) -> torch.Tensor:
+    """Softmax-gated pooling of a CSA entry's two overlapping windows: ``kv``/``gate`` ``[N, 2*ratio,
+    2*head_dim]`` (the gate with ``position_bias`` added) -> ``[N, head_dim]`` before the norm. Rows
+    ``[0, ratio)`` are the previous window, of which the first half of the channels (Ca) counts, rows
+    ``[ratio, 2*ratio)`` the entry's own window, of which the second half (Cb) counts; ``has_prev [N]``
+    bool is False for entry 0 (no previous window: its rows weigh nothing and their values are not read).
     """
-    if not overlap:
-        return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
     r, d = kv.shape[1] // 2, head_dim
     none = ~has_prev[:, None, None]
     prev_kv = kv[:, :r, :d].masked_fill(none, 0)
@@ -179,6 +173,55 @@ def compress_windows(
     all_kv = torch.cat([prev_kv, kv[:, r:, d:]], dim=1)
     all_gate = torch.cat([prev_gate, gate[:, r:, d:]], dim=1)
     return (all_kv * all_gate.softmax(dim=1, dtype=torch.float32).to(all_kv.dtype)).sum(dim=1)
+
+
+@dispatch.portable("dsv4.window_summaries")
+def window_summaries(
+    kv: torch.Tensor,
+    gate: torch.Tensor,
+    window: torch.Tensor,
+    valid: torch.Tensor,
+    carried: torch.Tensor,
+    prev: torch.Tensor,
+) -> torch.Tensor:
+    """Each cell's summary of its window so far, for a grid of ``R`` rows of ``L`` consecutive positions
+    (``kv``/``gate`` ``[R, L, C]``, the gate with ``position_bias`` added; ``window [R, L]``: each cell's
+    window number; ``valid [R, L]``: cells that hold a token). A summary is ``[o | lse]`` (``[R, L, 2C]``,
+    float32): ``o`` the softmax-gated pooling of the window's positions up to the cell (what
+    ``compress_windows`` pools once the window is whole) and ``lse`` the log of the softmax's denominator,
+    per channel. ``prev [R, 2C]``: the summary at the position before each row's first cell, folded into the
+    row's first window where ``carried [R]`` (that window began before the row).
+
+    Each window's largest gate in the grid (and ``prev``'s lse) is the exponent's offset: a cell whose own
+    gates lie far below a later cell's may underflow, but only a window's last cell in the grid is ever
+    read (by the next step, or as the entry), and its offset is the largest of what it sums."""
+    r, n, c = kv.shape
+    kv, gate = kv.float(), gate.float()
+    ninf = torch.tensor(float("-inf"), device=kv.device)
+    local = (window - window[:, :1]).clamp(min=0)  # the row's windows counted from its first
+    gate = torch.where(valid[..., None], gate, ninf)
+    offset = torch.full((r, n, c), float("-inf"), device=kv.device)
+    offset = offset.scatter_reduce(1, local[..., None].expand(-1, -1, c), gate, reduce="amax")
+    prev_o, prev_lse = prev.float().split(c, dim=-1)
+    # a row not carried reads a position never written (before its request, or another's): its bytes are not read
+    prev_o = torch.where(carried[:, None], prev_o, torch.zeros_like(prev_o))
+    prev_lse = torch.where(carried[:, None], prev_lse, ninf)
+    offset[:, 0] = torch.maximum(offset[:, 0], prev_lse)
+    offset = torch.where(torch.isfinite(offset), offset, torch.zeros_like(offset)).gather(
+        1, local[..., None].expand(-1, -1, c)
+    )
+    weight = torch.exp(gate - offset)  # [R, L, C]; 0 at invalid cells
+    # cell j sums the valid cells j' <= j of its window
+    j = torch.arange(n, device=kv.device)
+    same = (local[:, :, None] == local[:, None, :]) & (j[None, :, None] >= j[None, None, :]) & valid[:, None, :]
+    same = same.float()
+    total = torch.bmm(same, weight)
+    pooled = torch.bmm(same, weight * kv)
+    carry = torch.exp(prev_lse[:, None, :] - offset) * (local == 0)[..., None]  # 0 where not carried
+    total = total + carry
+    pooled = pooled + carry * prev_o[:, None, :]
+    total = total.clamp(min=torch.finfo(torch.float32).tiny)
+    return torch.cat([pooled / total, offset + torch.log(total)], dim=-1)
 
 
 @dispatch.portable("dsv4.indexer_scores")

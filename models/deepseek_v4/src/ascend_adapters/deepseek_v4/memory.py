@@ -3,8 +3,8 @@
 * ``layer_caches``: the paged caches an attention layer of each type declares to vLLM (one KV-cache
   spec each, ``CacheGeometry.kv_cache_spec``): sliding layers the window; CSA layers the window, the
   compressor's and the indexer's states of their last two windows, one entry and one indexer key per
-  ``rate`` tokens; HCA layers the window, the compressor's states of its last window and one entry
-  per ``rate`` tokens. Every block spans HIT_TOKENS positions (full caches) or a divisor of it
+  ``rate`` tokens; HCA layers the window, the compressor's running summary of its window at the last
+  position (float32) and one entry per ``rate`` tokens. Every block spans HIT_TOKENS positions (full caches) or a divisor of it
   (sliding caches): a prefix-cache hit every HIT_TOKENS tokens (``hit_tokens``).
 * ``cache_groups``: how vLLM groups these caches, and the bytes of one block id (every group's pages).
 * ``request_cache_bytes``: the blocks vLLM holds for one request of ``tokens`` tokens (a full cache's
@@ -34,8 +34,9 @@ from ascend_adapters.deepseek_v4.config import (
 
 # The paged caches of one attention layer (attention.py declares one vLLM KV-cache spec for each):
 WINDOW = "window"  # shared K=V of every position, of which a query reads the last sliding_window
-# the compressor's state of every position: its KV projection and its gate (position bias added), from
-# which the token that closes a window pools the window's entry; the indexer's own compressor likewise
+# the compressor's state of every position. CSA: its KV projection and its gate (position bias added), from
+# which the token that closes a window pools the window's entry; the indexer's own compressor likewise. HCA:
+# the running summary of its window up to the position (compressor.py), read at the position before a step
 STATE = "state"
 INDEX_STATE = "index_state"
 ENTRIES = "entries"  # compressed KV entries, one per rate positions
@@ -47,11 +48,17 @@ HIT_TOKENS = 128
 # Every sliding cache has one page size, SLIDING_PAGE_ROWS rows of the lcm of their widths: two sliding caches
 # with the same block and window then have the same width, so vLLM never groups rows of different shapes.
 SLIDING_PAGE_ROWS = 8
-# the caches stored 8-bit under an 8-bit --kv-cache-dtype (the compressors' states stay in the model dtype: they
-# are pooled, not attended), each row one part with a float32 scale (``common.kernels.kv8``)
+# the caches stored 8-bit under an 8-bit --kv-cache-dtype (the compressors' states stay in the model dtype, an HCA
+# summary float32: they are pooled, not attended, and a softmax gate moves by its absolute error, which an 8-bit
+# code of a large gate makes large), each row one part with a float32 scale (``common.kernels.kv8``)
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
 # ``ascend-adapters plan`` takes an 8-bit --kv-cache-dtype (fp8, int8_per_token_head) for this adapter
 EIGHT_BIT_CACHE = True
+# Positions a block of an HCA summary cache. A request holds the blocks of its last two positions, one or two
+# whatever the size; small blocks keep every HCA layer's pages in one group: Flash's 20 layers x 4 rows x 4 KiB
+# = 320 KiB, within the full group's page under an 8-bit cache (435 KiB), so a request holds one or two
+# block ids of summaries. A prefill step's tokens take step / 4 block ids while it runs.
+SUMMARY_BLOCK = 4
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,7 @@ class CacheGeometry:
     # stored 8-bit (an 8-bit --kv-cache-dtype: the window, the entries, the indexer keys; common.kernels.kv8): a
     # byte a value and one float32 scale a row, whatever the model dtype
     eight_bit: bool = False
+    float32: bool = False  # stored float32 whatever the model dtype (an HCA compressor's summaries)
 
     @property
     def rows_per_block(self) -> int:
@@ -74,7 +82,7 @@ class CacheGeometry:
         return eight_bit_row_bytes((self.width,)) if self.eight_bit else self.width
 
     def page_bytes(self, dtype_bytes: int) -> int:
-        return self.rows_per_block * self.stored_width * (1 if self.eight_bit else dtype_bytes)
+        return self.rows_per_block * self.stored_width * (1 if self.eight_bit else 4 if self.float32 else dtype_bytes)
 
     def kv_cache_spec(self, dtype):
         """vLLM's KV-cache spec of this cache: a full cache an MLA spec of a row per ``tokens_per_row``
@@ -83,7 +91,7 @@ class CacheGeometry:
 
         from ascend_adapters.common import compat
 
-        dtype = torch.uint8 if self.eight_bit else dtype
+        dtype = torch.uint8 if self.eight_bit else torch.float32 if self.float32 else dtype
         if self.sliding_window is None:
             return compat.compressed_attention_spec(
                 block_size=self.block_size, head_size=self.stored_width, dtype=dtype, tokens_per_row=self.tokens_per_row
@@ -103,8 +111,9 @@ class CacheGeometry:
 
 
 def state_width(head_dim: int, overlap: bool) -> int:
-    """A compressor's state row: its KV projection and its gate, each ``head_dim`` wide per window it
-    feeds (an overlapping compressor's token feeds two entries, ``2 x head_dim`` each)."""
+    """A compressor's state row. CSA (``overlap``): its KV projection and its gate, ``2 x head_dim`` each (a
+    token feeds two entries). HCA: its window's summary, the pooling and the log of the softmax's denominator,
+    ``head_dim`` each."""
     return 2 * (2 if overlap else 1) * head_dim
 
 
@@ -115,14 +124,12 @@ def full_block_tokens(config) -> int:
 
 
 def sliding_page_values(config) -> int:
-    """Values in a page of every sliding cache: SLIDING_PAGE_ROWS rows of the lcm of the sliding rows' widths
-    (window, and the compressors' states of the checkpoint's layer types, whether served or not)."""
+    """Values in a page of every sliding cache in the model dtype: SLIDING_PAGE_ROWS rows of the lcm of their
+    widths (window, and the CSA compressors' states if the checkpoint has CSA layers, whether served or not)."""
     hd, kinds = int(config.head_dim), set(config.layer_types)
     widths = [hd]
     if LAYER_CSA in kinds:
         widths += [state_width(hd, True), state_width(int(config.index_head_dim), True)]
-    if LAYER_HCA in kinds:
-        widths.append(state_width(hd, False))
     return SLIDING_PAGE_ROWS * math.lcm(*widths)
 
 
@@ -140,7 +147,7 @@ def _sliding(config, width: int, window: int) -> CacheGeometry:
 def layer_caches(config, layer_type: str, eight_bit: bool = False) -> dict[str, CacheGeometry]:
     """The caches an attention layer of ``layer_type`` holds: sliding layers the window only; CSA layers
     window + the compressor's and the indexer's states (the two windows an overlapping entry pools) +
-    entries + indexer keys; HCA layers window + the compressor's states (one window) + entries.
+    entries + indexer keys; HCA layers window + the compressor's summaries (the last two positions) + entries.
     ``eight_bit``: the EIGHT_BIT_KINDS stored 8-bit (the same positions a block)."""
     caches = _layer_caches(config, layer_type)
     if eight_bit:
@@ -156,7 +163,10 @@ def _layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
     rate = int(config.compress_rates[layer_type])
     csa = layer_type == LAYER_CSA
     full = full_block_tokens(config)
-    caches[STATE] = _sliding(config, state_width(hd, csa), (2 if csa else 1) * rate)
+    if csa:
+        caches[STATE] = _sliding(config, state_width(hd, True), 2 * rate)
+    else:
+        caches[STATE] = CacheGeometry(state_width(hd, False), 1, SUMMARY_BLOCK, 2, float32=True)
     caches[ENTRIES] = CacheGeometry(hd, rate, full, None)
     if csa:
         idim = int(config.index_head_dim)
@@ -352,8 +362,9 @@ def status_notes(device_gib: int = 64, tp: int = 16, ep: int = 16, short: int = 
     lines = [
         f"attention state (DeepSeek-V4-Flash shape, memory.py): paged by vLLM, bf16, each layer only what its "
         f"type needs for the request's own tokens (sliding: window; CSA: window, compressor and indexer states, an "
-        f"entry and an indexer key per 4 tokens; HCA: window, compressor states, an entry per 128 tokens); requests fitting "
-        f"a {device_gib} GiB device after {_size(weights)} of weights at TP{tp}/EP{ep}:"
+        f"entry and an indexer key per 4 tokens; HCA: window, the compressor's summary of its window at the last "
+        f"positions (float32), an entry per 128 tokens); requests fitting a {device_gib} GiB device after "
+        f"{_size(weights)} of weights at TP{tp}/EP{ep}:"
     ]
     for r in flash_table(device_gib, tp, ep):
         lines.append(
