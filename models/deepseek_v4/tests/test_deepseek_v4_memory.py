@@ -18,13 +18,13 @@ def test_request_caches_follow_the_published_shape():
     """Flash: 2 sliding, 21 CSA (rate 4), 20 HCA (rate 128) layers; head_dim 512, indexer keys 128, window 128;
     bf16. A CSA compressor's state row is its KV projection and gate, 2 x 512 each for the two windows a position
     feeds (2048); the indexer's 4 x 128 (512). An HCA compressor's is its window's summary at the position, 512
-    pooled values and 512 log-denominators, float32, for the last 2 positions, 4 positions a block.
+    pooled values and 512 log-denominators, float32, for the last 2 positions, 8 positions a block.
 
     Full caches span 128 positions a block: a CSA layer's 32 entries of 512 and 32 indexer keys of 128, an HCA
     layer's one entry of 512. Model-dtype sliding caches hold 8 rows of lcm(512, 2048, 512) = 2048 values a
     block: the window 32 positions, the CSA state 8, the indexer state 32. vLLM keeps every full cache in one
     group and splits the 43 window caches into two groups of 22 and 21 (43 x 32 KiB exceed the full group's 860
-    KiB); the 20 HCA summary caches are one group (20 x 16 KiB); a block id spans every group's pages, so each
+    KiB); the 20 HCA summary caches are one group (20 x 32 KiB); a block id spans every group's pages, so each
     block a group holds costs the full group's bytes."""
     cfg = M.flash_config()
     slab = (21 * 32 * 512 + 21 * 32 * 128 + 20 * 1 * 512) * 2
@@ -37,7 +37,7 @@ def test_request_caches_follow_the_published_shape():
         return (n - 1) // per_block - first // per_block + 1
 
     for n in (100, 4096, 1048576):
-        held = blocks(n, 128) + 2 * blocks(n, 32, 128) + blocks(n, 8, 8) + blocks(n, 32, 8) + blocks(n, 4, 2)
+        held = blocks(n, 128) + 2 * blocks(n, 32, 128) + blocks(n, 8, 8) + blocks(n, 32, 8) + blocks(n, 8, 2)
         assert M.request_cache_bytes(cfg, n) == held * slab, n
 
 

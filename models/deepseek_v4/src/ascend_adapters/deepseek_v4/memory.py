@@ -54,11 +54,12 @@ SLIDING_PAGE_ROWS = 8
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
 # ``ascend-adapters plan`` takes an 8-bit --kv-cache-dtype (fp8, int8_per_token_head) for this adapter
 EIGHT_BIT_CACHE = True
-# Positions a block of an HCA summary cache. A request holds the blocks of its last two positions, one or two
-# whatever the size; small blocks keep every HCA layer's pages in one group: Flash's 20 layers x 4 rows x 4 KiB
-# = 320 KiB, within the full group's page under an 8-bit cache (435 KiB), so a request holds one or two
-# block ids of summaries. A prefill step's tokens take step / 4 block ids while it runs.
-SUMMARY_BLOCK = 4
+# Positions a block of an HCA summary cache: a request holds the blocks of its last two positions, one or two
+# whatever the size, but vLLM reserves a block per SUMMARY_BLOCK positions of a scheduler step, and a block id
+# spans every group's pages: the largest block that keeps every HCA layer's pages in one group, within the full
+# group's page. On Flash (20 HCA layers, 4 KiB a row): 8 in bf16 (640 of 860 KiB), 4 under an 8-bit cache
+# (320 of 435 KiB). By cache: model dtype, 8-bit.
+SUMMARY_BLOCK = {False: 8, True: 4}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,13 +150,13 @@ def layer_caches(config, layer_type: str, eight_bit: bool = False) -> dict[str, 
     window + the compressor's and the indexer's states (the two windows an overlapping entry pools) +
     entries + indexer keys; HCA layers window + the compressor's summaries (the last two positions) + entries.
     ``eight_bit``: the EIGHT_BIT_KINDS stored 8-bit (the same positions a block)."""
-    caches = _layer_caches(config, layer_type)
+    caches = _layer_caches(config, layer_type, eight_bit)
     if eight_bit:
         caches = {k: dataclasses.replace(g, eight_bit=k in EIGHT_BIT_KINDS) for k, g in caches.items()}
     return caches
 
 
-def _layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
+def _layer_caches(config, layer_type: str, eight_bit: bool) -> dict[str, CacheGeometry]:
     hd = int(config.head_dim)
     caches = {WINDOW: _sliding(config, hd, int(config.sliding_window))}
     if layer_type == LAYER_SLIDING:
@@ -166,7 +167,7 @@ def _layer_caches(config, layer_type: str) -> dict[str, CacheGeometry]:
     if csa:
         caches[STATE] = _sliding(config, state_width(hd, True), 2 * rate)
     else:
-        caches[STATE] = CacheGeometry(state_width(hd, False), 1, SUMMARY_BLOCK, 2, float32=True)
+        caches[STATE] = CacheGeometry(state_width(hd, False), 1, SUMMARY_BLOCK[eight_bit], 2, float32=True)
     caches[ENTRIES] = CacheGeometry(hd, rate, full, None)
     if csa:
         idim = int(config.index_head_dim)
