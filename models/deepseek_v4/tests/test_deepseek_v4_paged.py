@@ -12,7 +12,7 @@ Batches, in order:
 3. another long prompt batched with three short ones;
 4. four prompts of max_model_len - 8 tokens at once, in a cache that holds about one: they wait for
    each other's blocks;
-5. sixteen 16-token prompts generating 300 tokens each: all are admitted in the first step (16 x 16 tokens
+5. fourteen 16-token prompts generating 300 tokens each: all are admitted in the first step (14 x 16 tokens
    within the budget and the cache) and decode together until their caches outgrow it
    (``memory.request_cache_bytes`` computes both, the record's check names the block counts): vLLM preempts
    requests mid-generation and recomputes them
@@ -38,7 +38,7 @@ MAX_MODEL_LEN = 1024
 LONG, SHARED, SHORT = 640, 400, (5, 17, 33)
 BUDGET = 256
 FULL = MAX_MODEL_LEN - MAX_TOKENS  # batch 4: prompts that fill max_model_len
-PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 16, 16, 300  # batch 5
+PREEMPT_SEQS, PREEMPT_PROMPT, PREEMPT_TOKENS = 14, 16, 300  # batch 5
 
 
 def _kv_bytes(config) -> int:
