@@ -327,7 +327,8 @@ def old_fixed_page_bytes(config, max_model_len: int) -> int:
 
 def memory_bench(run: BenchRun, kv_cache_dtype: str = "auto") -> dict:
     """The tiny served alone at MEMORY_LENGTHS: the bytes vLLM holds per request against
-    ``memory.request_cache_bytes`` (``kv_cache_dtype``: "auto", or "fp8" for the 8-bit caches)."""
+    ``memory.request_cache_bytes`` (``kv_cache_dtype``: "auto", or an 8-bit cache dtype: "fp8",
+    "int8_per_token_head"; the checks name it)."""
     from ascend_adapters.deepseek_v4.memory import request_cache_bytes
     from ascend_adapters.deepseek_v4.tiny import TINY_CONFIG, make_tiny, tiny_config
 
@@ -357,6 +358,7 @@ def memory_bench(run: BenchRun, kv_cache_dtype: str = "auto") -> dict:
         res["allocated_bytes"],
     )
     old = old_fixed_page_bytes(cfg, MEMORY_CONTEXT)
+    named = "" if kv_cache_dtype == "auto" else f", --kv-cache-dtype {kv_cache_dtype}"
     held = []
     for n in MEMORY_LENGTHS:
         r = res["lengths"][str(n)]
@@ -368,11 +370,13 @@ def memory_bench(run: BenchRun, kv_cache_dtype: str = "auto") -> dict:
         held.append(after_decode)
         # memory.request_cache_bytes counts the blocks vLLM's managers hold (full caches: every block up to
         # the request's tokens; sliding caches: at most a window's blocks) at one page each
-        run.check(f"{n} tokens: vLLM holds the formula's pages", after_decode == formula,
+        run.check(f"{n} tokens{named}: vLLM holds the formula's pages", after_decode == formula,
                   f"{after_decode} vs {formula}")  # fmt: skip
         r["held_over_formula"] = round(after_decode / formula, 3)
         r["held_over_old_page"] = round(after_decode / old, 4)
-    run.check("what a request holds grows with its own tokens", held == sorted(held) and held[0] < held[-1], held)
+    run.check(
+        f"what a request holds grows with its own tokens{named}", held == sorted(held) and held[0] < held[-1], held
+    )
     if kv_cache_dtype != "auto":
         return res
     run.check(
@@ -390,15 +394,17 @@ KV8_FLASH_LENGTHS = (4096, 131072, 1 << 20)
 
 
 def kv8_bench(run: BenchRun, float32: dict) -> dict:
-    """``--kv-cache-dtype fp8`` (record bench-deepseek_v4-kv8): the tiny served again at MEMORY_LENGTHS with the
-    8-bit caches, vLLM's held bytes against ``memory.request_cache_bytes(eight_bit=True)`` and against the
-    float32 run (``float32``: ``memory_bench``'s result); then DeepSeek-V4-Flash's bytes per request (the same
-    arithmetic) at KV8_FLASH_LENGTHS, bfloat16 against 8-bit, target KV8_TARGET. The compressors' states stay in
-    the model dtype (they are pooled through a softmax of their gates, not attended), so a short request, whose
-    states weigh most, saves least."""
+    """The 8-bit caches (record bench-deepseek_v4-kv8): the tiny served again at MEMORY_LENGTHS with
+    ``--kv-cache-dtype fp8``, vLLM's held bytes against ``memory.request_cache_bytes(eight_bit=True)`` and
+    against the float32 run (``float32``: ``memory_bench``'s result), and with ``int8_per_token_head`` (the same
+    bytes a row: held against the same formula); then DeepSeek-V4-Flash's bytes per request (the same
+    arithmetic) at KV8_FLASH_LENGTHS, bfloat16 against 8-bit, target KV8_TARGET. The compressors' states are not
+    stored 8-bit (CSA rows in the model dtype, HCA summaries float32: pooled through a softmax of their gates),
+    so a short request, whose states weigh most, saves a little less."""
     from ascend_adapters.deepseek_v4.memory import flash_config, request_cache_bytes
 
     res = memory_bench(run, "fp8")
+    res["int8_per_token_head"] = memory_bench(run, "int8_per_token_head")["lengths"]
     for n in MEMORY_LENGTHS:
         r, f = res["lengths"][str(n)], float32["lengths"][str(n)]
         r["held_over_float32"] = round(r["held_bytes"] / f["held_bytes"], 4)

