@@ -21,8 +21,9 @@ into chunks: each token reads only positions of its own request written before.
 A step is one pass over all its tokens: every row the step brings is written first (one scatter per
 cache, slots from the block tables), then every grid of queries (``backend.Segment``: all the step's
 decodes and MTP verifications in one, a prefill request in tiles) closes its compression windows (HCA: writes
-its summaries and closes windows from them, grid after grid), and then each attends, reading its requests' rows through their block tables. Positions, sequence starts and masks
-are device tensors; the host holds only shapes, so a uniform decode step replays from a graph.
+its summaries and closes windows from them, grid after grid), and then each attends, reading its requests'
+rows through their block tables. Positions, sequence starts and masks are device tensors; the host holds
+only shapes, so a uniform decode step replays from a graph.
 """
 
 from __future__ import annotations
