@@ -471,14 +471,19 @@ def dynamic_linear_storage(model) -> dict:
     """How a served model keeps its W8A8_DYNAMIC linear weights (a probe for ``parity.vllm_logits``).
 
     ``layers``: linears with the ModelSlim dynamic method; ``engine_prepacked``: those served by the
-    engine's prepacked GEMM; ``plain_weight_kept``: those still holding a plain int8 ``weight``.
+    engine's prepacked GEMM; ``plain_weight_kept``: those still holding a plain int8 ``weight``;
+    ``cpu_layouts``: the worker's own decisions (``portable.cpu_layout``, with why) for its linears' dtypes.
     """
+    from ascend_adapters.common.quant.kernels import portable
     from ascend_adapters.common.quant.linear import ModelSlimW8A8DynamicLinearMethod
 
-    out = {"layers": 0, "engine_prepacked": 0, "plain_weight_kept": 0}
+    out = {"layers": 0, "engine_prepacked": 0, "plain_weight_kept": 0, "cpu_layouts": {}}
     for module in model.modules():
         if not isinstance(getattr(module, "quant_method", None), ModelSlimW8A8DynamicLinearMethod):
             continue
+        dtype = getattr(module, "modelslim_out_dtype", None)
+        if dtype is not None and str(dtype) not in out["cpu_layouts"]:
+            out["cpu_layouts"][str(dtype)] = {k: str(v) for k, v in portable.cpu_layout(dtype).items()}
         out["layers"] += 1
         out["engine_prepacked"] += getattr(module, "modelslim_engine_linear", None) is not None
         out["plain_weight_kept"] += getattr(module, "weight", None) is not None
