@@ -4,8 +4,8 @@
   spec each, ``CacheGeometry.kv_cache_spec``): sliding layers the window; CSA layers the window, the
   compressor's and the indexer's states of their last two windows, one entry and one indexer key per
   ``rate`` tokens; HCA layers the window, the compressor's running summary of its window at the last
-  position (float32) and one entry per ``rate`` tokens. Every block spans HIT_TOKENS positions (full caches) or a divisor of it
-  (sliding caches): a prefix-cache hit every HIT_TOKENS tokens (``hit_tokens``).
+  positions (float32) and one entry per ``rate`` tokens. Every block spans HIT_TOKENS positions (full caches)
+  or a divisor of it (sliding caches): a prefix-cache hit every HIT_TOKENS tokens (``hit_tokens``).
 * ``cache_groups``: how vLLM groups these caches, and the bytes of one block id (every group's pages).
 * ``request_cache_bytes``: the blocks vLLM holds for one request of ``tokens`` tokens (a full cache's
   blocks up to its last token; a sliding cache's blocks of its last window), a block id's bytes each;
@@ -48,7 +48,7 @@ HIT_TOKENS = 128
 # Every sliding cache has one page size, SLIDING_PAGE_ROWS rows of the lcm of their widths: two sliding caches
 # with the same block and window then have the same width, so vLLM never groups rows of different shapes.
 SLIDING_PAGE_ROWS = 8
-# the caches stored 8-bit under an 8-bit --kv-cache-dtype (the compressors' states stay in the model dtype, an HCA
+# the caches stored 8-bit under an 8-bit --kv-cache-dtype (a CSA compressor's states stay in the model dtype, an HCA
 # summary float32: they are pooled, not attended, and a softmax gate moves by its absolute error, which an 8-bit
 # code of a large gate makes large), each row one part with a float32 scale (``common.kernels.kv8``)
 EIGHT_BIT_KINDS = (WINDOW, ENTRIES, INDEX)
